@@ -1,0 +1,216 @@
+"""The ``tune`` command: a thin layer over the library.
+
+``tune --variant gdn --dk 128`` runs the main job (search, gate, time, record); the other
+subcommands expose one pipeline stage each. User mistakes exit with code 2 and one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import variants
+from .errors import UserError
+
+SUBCOMMANDS = ("run", "render", "compile", "predict", "calibrate", "regress", "dashboard")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise UserError(message)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _add_problem(p: argparse.ArgumentParser, shape: bool = True) -> None:
+    g = p.add_argument_group("problem")
+    g.add_argument("--variant", required=True, metavar="V",
+                   help=f"one of: {', '.join(variants.VARIANTS)}")
+    g.add_argument("--dk", required=True, type=_positive, metavar="N", help="key/query head dim (64 or 128)")
+    g.add_argument("--dv", type=_positive, metavar="N", help="value head dim (default: --dk)")
+    g.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"), help="input dtype (default bf16)")
+    if shape:
+        g.add_argument("--batch", type=_positive, default=4, metavar="B", help="batch size timed (default 4)")
+        g.add_argument("--seqlen", type=_positive, default=8192, metavar="T", help="sequence length timed (default 8192)")
+        g.add_argument("--heads", type=_positive, default=16, metavar="H", help="heads timed (default 16)")
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="override one template parameter of the default config (repeatable)")
+
+
+def _add_db(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default="results.db", metavar="PATH", help="results database (default results.db)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tune",
+        description="Autotune TileLang kernels for linear attention. "
+                    "`tune --variant gdn --dk 128` is short for `tune run --variant gdn --dk 128`.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="search, gate, time and record the best config (the main job)",
+                         description="Search the variant's space with Optuna under the register budget; "
+                                     "compile candidates on CPU, gate and time them on the GPU, record every "
+                                     "outcome and the winner. Without a GPU everything but gate and timing runs.")
+    _add_problem(run)
+    budget = run.add_mutually_exclusive_group()
+    budget.add_argument("--trials", type=_positive, metavar="N", help="number of trials (default 40)")
+    budget.add_argument("--timeout", type=_positive, metavar="S", help="stop starting trials after S seconds")
+    _add_db(run)
+    run.add_argument("--storage", metavar="URL", help="Optuna storage URL (default: sqlite:///<db>)")
+    run.add_argument("--jobs", type=_positive, default=2, metavar="J", help="CPU compile processes (default 2)")
+    run.add_argument("--gpu", type=int, default=0, metavar="ID", help="CUDA device index (default 0)")
+    run.add_argument("--register-budget", type=_positive, default=255, metavar="R",
+                     help="prune configs predicted above R registers per thread (default 255)")
+
+    render = sub.add_parser("render", help="print the rendered TileLang source of one config")
+    _add_problem(render, shape=False)
+    _add_config(render)
+
+    comp = sub.add_parser("compile", help="compile one config for sm_90a (no GPU needed) and report resources")
+    _add_problem(comp, shape=False)
+    _add_config(comp)
+    comp.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    pred = sub.add_parser("predict", help="the register/shared-memory model's prediction for one config")
+    _add_problem(pred, shape=False)
+    _add_config(pred)
+    pred.add_argument("--json", action="store_true", help="print the prediction as JSON")
+
+    cal = sub.add_parser("calibrate", help="compile sampled configs, fit the model and print its accuracy")
+    _add_problem(cal, shape=False)
+    cal.add_argument("--samples", type=_positive, default=40, metavar="K", help="configs to compile (default 40)")
+    cal.add_argument("--seed", type=int, default=0, help="sampling seed")
+    _add_db(cal)
+
+    reg = sub.add_parser("regress", help="re-gate and re-time stored winners; exit 1 on a regression")
+    reg.add_argument("--variant", action="append", metavar="V", help="limit to these variants (repeatable)")
+    _add_db(reg)
+
+    dash = sub.add_parser("dashboard", help="write the static regression dashboard")
+    _add_db(dash)
+    dash.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    return parser
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"--set expects NAME=VALUE, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def problem_from(args):
+    from .problem import Problem
+
+    variants.get(args.variant)
+    kw = {k: getattr(args, k) for k in ("batch", "seqlen", "heads") if hasattr(args, k)}
+    return Problem(args.variant, args.dk, args.dv or args.dk, args.dtype, **kw)
+
+
+def config_from(args, problem) -> dict:
+    from . import space
+
+    sp = space.load(problem.variant)
+    config = sp.complete(problem, parse_overrides(args.set))
+    sp.validate(problem, config)
+    return config
+
+
+def _cmd_render(args) -> int:
+    from .render import render
+
+    problem = problem_from(args)
+    print(render(problem, config_from(args, problem)).source, end="")
+    return 0
+
+
+def _cmd_compile(args) -> int:
+    from .compile import compile_rendered
+    from .render import render
+
+    problem = problem_from(args)
+    report = compile_rendered(render(problem, config_from(args, problem)))
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.summary())
+    return 0 if report.ok else 1
+
+
+def _cmd_predict(args) -> int:
+    from . import model
+
+    problem = problem_from(args)
+    pred = model.predict(problem, config_from(args, problem))
+    print(json.dumps(pred.as_dict(), indent=2) if args.json else pred.summary())
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    problem = problem_from(args)
+    from . import model
+
+    return model.calibrate_main(problem, samples=args.samples, seed=args.seed, db=args.db)
+
+
+def _cmd_run(args) -> int:
+    problem = problem_from(args)
+    from . import search
+
+    return search.tune_main(problem, args)
+
+
+def _cmd_regress(args) -> int:
+    from . import regress
+
+    for v in args.variant or ():
+        variants.get(v)
+    return regress.regress_main(args.db, args.variant)
+
+
+def _cmd_dashboard(args) -> int:
+    from . import dashboard
+
+    return dashboard.dashboard_main(args.db, args.out)
+
+
+COMMANDS = {
+    "run": _cmd_run, "render": _cmd_render, "compile": _cmd_compile, "predict": _cmd_predict,
+    "calibrate": _cmd_calibrate, "regress": _cmd_regress, "dashboard": _cmd_dashboard,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "run")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        print(f"tune: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tune: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

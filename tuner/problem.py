@@ -1,0 +1,44 @@
+"""The problem a kernel is tuned for: variant, head dims, dtype and the shape it runs at."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from . import variants
+from .errors import UserError
+
+DTYPES = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One tuning problem. ``batch``/``seqlen``/``heads`` are the shape kernels are timed at."""
+
+    variant: str
+    dk: int
+    dv: int
+    dtype: str = "bf16"
+    batch: int = 4
+    seqlen: int = 8192
+    heads: int = 16
+
+    def __post_init__(self):
+        v = variants.get(self.variant)
+        v.check_dims(self.dk, self.dv)
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype {self.dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+        for label in ("batch", "seqlen", "heads"):
+            if getattr(self, label) < 1:
+                raise UserError(f"{label} must be a positive integer, got {getattr(self, label)}")
+
+    @property
+    def spec(self) -> variants.Variant:
+        return variants.get(self.variant)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
+
+    def as_dict(self) -> dict:
+        return asdict(self)

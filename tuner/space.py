@@ -1,0 +1,158 @@
+"""Search spaces: each variant's tunable parameters and constraints, read from
+``search_spaces/<variant>.yaml``, the one file that the tuner, the docs and the tests all read.
+
+A parameter has a list of ``values``, a ``default``, a ``doc`` line and optionally ``when``, an
+expression over the other parameters that says when it applies (``split == 'fused'``). A
+constraint is a readable expression over the parameters and the problem's ``dk``, ``dv`` and
+``dtype``, with the ``reason`` reported when it fails. Expressions may also use ``smem_bytes``
+and ``smem_limit``: the shared memory the model computes for the config and the per-block limit.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from . import variants
+from .errors import ConstraintError, UserError
+from .problem import Problem
+
+# Largest dynamic shared memory one block may use on sm_90 (227 KiB).
+SMEM_LIMIT = 232448
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    values: tuple
+    default: Any
+    doc: str
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    require: str
+    reason: str
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Space:
+    variant: str
+    params: dict[str, Parameter]
+    constraints: tuple[Constraint, ...] = field(default_factory=tuple)
+
+    def active(self, name: str, config: dict) -> bool:
+        """Whether parameter ``name`` applies given the other values in ``config``."""
+        p = self.params[name]
+        return p.when is None or bool(_eval(p.when, config, None))
+
+    def default(self, problem: Problem) -> dict:
+        """The template's default config, restricted to the parameters that apply."""
+        config = {name: p.default for name, p in self.params.items()}
+        return self.normalise(config)
+
+    def normalise(self, config: dict) -> dict:
+        """Drop the parameters that do not apply; order as declared."""
+        return {n: config[n] for n in self.params if n in config and self.active(n, config)}
+
+    def complete(self, problem: Problem, overrides: dict) -> dict:
+        """The default config with ``overrides`` (name -> value, possibly strings) applied."""
+        config = {name: p.default for name, p in self.params.items()}
+        for name, raw in overrides.items():
+            if name not in self.params:
+                raise UserError(f"unknown parameter {name!r} for {self.variant}; accepted: {', '.join(self.params)}")
+            config[name] = self._coerce(self.params[name], raw)
+        return self.normalise(config)
+
+    def violations(self, problem: Problem, config: dict) -> list[str]:
+        """The reasons ``config`` is refused for ``problem``; empty when it is valid."""
+        reasons = []
+        for name, p in self.params.items():
+            if name in config and config[name] not in p.values:
+                reasons.append(f"{name}={config[name]!r} is not one of {list(p.values)}")
+            elif name not in config and self.active(name, {**{k: q.default for k, q in self.params.items()}, **config}):
+                reasons.append(f"{name} is missing")
+        if reasons:
+            return reasons
+        env = _Env(problem, config)
+        for c in self.constraints:
+            if c.when is not None and not _eval(c.when, config, env):
+                continue
+            if not _eval(c.require, config, env):
+                reasons.append(f"{c.reason} ({c.require})")
+        return reasons
+
+    def validate(self, problem: Problem, config: dict) -> None:
+        reasons = self.violations(problem, config)
+        if reasons:
+            raise ConstraintError(f"config refused for {problem.variant}: " + "; ".join(reasons))
+
+    def grid(self) -> list[dict]:
+        """Every combination of values, restricted to the parameters that apply (deduplicated)."""
+        import itertools
+
+        names = list(self.params)
+        seen, out = set(), []
+        for combo in itertools.product(*(self.params[n].values for n in names)):
+            cfg = self.normalise(dict(zip(names, combo)))
+            key = tuple(sorted(cfg.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(cfg)
+        return out
+
+    @staticmethod
+    def _coerce(p: Parameter, raw):
+        if not isinstance(raw, str):
+            return raw
+        for v in p.values:
+            if str(v).lower() == raw.lower():
+                return v
+        raise UserError(f"{p.name}={raw} is not one of {list(p.values)}")
+
+
+class _Env(dict):
+    """Names available to constraint expressions; ``smem_bytes`` is computed on first use."""
+
+    def __init__(self, problem: Problem, config: dict):
+        super().__init__(config)
+        self.update(dk=problem.dk, dv=problem.dv, dtype=problem.dtype, smem_limit=SMEM_LIMIT)
+        self._problem, self._config = problem, config
+
+    def __missing__(self, key):
+        if key == "smem_bytes":
+            from . import model
+
+            self[key] = model.shared_memory_bytes(self._problem, self._config)
+            return self[key]
+        raise KeyError(key)
+
+
+def _eval(expr: str, config: dict, env: dict | None):
+    scope = env if env is not None else dict(config)
+    try:
+        return eval(expr, {"__builtins__": {}}, scope)  # noqa: S307 - expressions come from our own YAML
+    except NameError:
+        # A name of a parameter that does not apply: the expression does not constrain this config.
+        return True
+
+
+@functools.cache
+def load(variant: str) -> Space:
+    """The search space of ``variant`` from its YAML file."""
+    spec = variants.get(variant)
+    with open(spec.search_space) as f:
+        doc = yaml.safe_load(f)
+    params = {
+        name: Parameter(name, tuple(p["values"]), p["default"], p.get("doc", ""), p.get("when"))
+        for name, p in doc["parameters"].items()
+    }
+    constraints = tuple(Constraint(c["require"], c["reason"], c.get("when")) for c in doc.get("constraints", ()))
+    for p in params.values():
+        if p.default not in p.values:
+            raise ValueError(f"{spec.search_space}: default of {p.name} is not among its values")
+    return Space(variant, params, constraints)

@@ -1,0 +1,83 @@
+"""The variant registry: the one place that knows the six linear-attention variants.
+
+Every other module asks this one what a variant's inputs are, which recurrence it follows,
+where its template and search space live, which FLA op it mirrors and how tightly the
+correctness gate judges it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES_DIR = ROOT / "templates"
+SEARCH_SPACES_DIR = ROOT / "search_spaces"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What the rest of the tuner needs to know about one variant.
+
+    gate: the shape of the log-space decay ``g``: ``None`` (no decay), ``"head"`` ([H]),
+        ``"token"`` ([B, T, H]) or ``"channel"`` ([B, T, H, DK]).
+    delta: whether the state update is the delta rule (takes ``beta`` [B, T, H]).
+    """
+
+    name: str
+    title: str
+    gate: str | None
+    delta: bool
+    recurrence: str
+    fla_op: str
+    dims: tuple[int, ...] = (64, 128)
+    tolerance: float = 2e-2
+
+    @property
+    def template(self) -> Path:
+        return TEMPLATES_DIR / f"{self.name}.py.j2"
+
+    @property
+    def search_space(self) -> Path:
+        return SEARCH_SPACES_DIR / f"{self.name}.yaml"
+
+    @property
+    def per_channel(self) -> bool:
+        return self.gate == "channel"
+
+    def g_shape(self, B: int, T: int, H: int, DK: int) -> tuple[int, ...] | None:
+        return {None: None, "head": (H,), "token": (B, T, H), "channel": (B, T, H, DK)}[self.gate]
+
+    def check_dims(self, dk: int, dv: int) -> None:
+        for label, d in (("dk", dk), ("dv", dv)):
+            if d not in self.dims:
+                accepted = ", ".join(str(x) for x in self.dims)
+                raise UserError(f"{label}={d} is not supported by variant {self.name!r}; accepted: {accepted}")
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("linear", "linear attention (no decay)", None, False,
+                "S_t = S_{t-1} + k_t v_t^T", "chunk_linear_attn"),
+        Variant("decay", "constant per-head decay (RetNet, Lightning)", "head", False,
+                "S_t = exp(g_h) S_{t-1} + k_t v_t^T", "chunk_retention"),
+        Variant("simple_gla", "data-dependent scalar gate (Mamba2 / SSD)", "token", False,
+                "S_t = exp(g_t) S_{t-1} + k_t v_t^T", "chunk_simple_gla"),
+        Variant("gla", "per-channel gate (GLA)", "channel", False,
+                "S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T", "chunk_gla"),
+        Variant("gdn", "Gated DeltaNet", "token", True,
+                "S' = exp(g_t) S_{t-1};  S_t = S' + beta_t k_t (v_t - S'^T k_t)^T", "chunk_gated_delta_rule"),
+        Variant("kda", "Kimi Delta Attention (per-channel gated delta rule)", "channel", True,
+                "S' = Diag(exp(g_t)) S_{t-1};  S_t = S' + beta_t k_t (v_t - S'^T k_t)^T", "chunk_kda"),
+    )
+}
+
+
+def get(name: str) -> Variant:
+    """The variant called ``name``; a UserError naming the accepted ones otherwise."""
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise UserError(f"unknown variant {name!r}; accepted: {', '.join(VARIANTS)}") from None
