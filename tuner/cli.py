@@ -126,8 +126,9 @@ def problem_from(args):
 def config_from(args, problem) -> dict:
     from . import space
 
+    overrides = parse_overrides(args.set)
     sp = space.load(problem.variant)
-    config = sp.complete(problem, parse_overrides(args.set))
+    config = sp.complete(problem, overrides)
     sp.validate(problem, config)
     return config
 
