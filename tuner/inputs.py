@@ -1,0 +1,123 @@
+"""Seeded inputs in FLA's layout for the correctness gate, in regimes taken from the seeds' traps.
+
+Every regime draws q, k, v from a standard normal (q and k L2-normalised along the head dim for the
+delta variants, as FLA's users do), beta uniform in (0, 1) for the delta variants, and a gate that
+depends on the regime (for ``decay`` the gate is the per-head constant, for ``simple_gla``/``gdn``
+a per-token scalar, for ``gla``/``kda`` per token and channel). ``initial_state`` is None except in
+the ``initial_state`` regime. Regimes that say nothing for a variant are refused: the ``alpha*``
+regimes for ``linear`` (no decay), the ``channel_*`` regimes for the scalar-gated variants.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import variants
+from .errors import UserError
+from .problem import Problem
+
+__all__ = ["REGIMES", "make_inputs", "regimes_for"]
+
+REGIMES: dict[str, str] = {
+    "default": "decays drawn uniformly in [0.9, 0.999] (per head, token or channel)",
+    "alpha0.5": "strong decay: alpha around 0.5 (log alpha jittered by +-20%), where factorised weights overflow",
+    "alpha0.9": "alpha around 0.9 (log alpha jittered by +-20%)",
+    "alpha0.99": "decay near 1: alpha around 0.99 (log alpha jittered by +-20%), where off-by-one exponents hide",
+    "channel_lb0.9": "per-channel gates with the 0.9 lower bound: g uniform in [log 0.9, 0]",
+    "channel_free": "per-channel gates without a bound: g = logsigmoid(N(0, 1)), as unconstrained models produce",
+    "initial_state": "the default decays plus a standard-normal initial state",
+}
+
+_ALPHA_REGIMES = {"alpha0.5": 0.5, "alpha0.9": 0.9, "alpha0.99": 0.99}
+
+
+def regimes_for(variant: str) -> list[str]:
+    """The regimes the correctness gate runs for ``variant``.
+
+    ``kda`` leaves out ``alpha0.5`` and ``channel_free``: KDA kernels need lower-bounded gates
+    (seed 001 §2: unbounded per-channel gates underflow exp(gamma) in fp16 and overflow
+    exp(-gamma)), as FLA's own KDA users guarantee. ``make_inputs`` still draws them on request.
+
+    Args:
+        variant (str): a name from ``tuner.variants.VARIANTS``.
+
+    Returns:
+        list[str]: regime names, keys of :data:`REGIMES`.
+    """
+    spec = variants.get(variant)
+    names = ["default", "initial_state"]
+    if spec.gate is not None:
+        names += ["alpha0.9", "alpha0.99"]
+        if not (spec.per_channel and spec.delta):
+            names.append("alpha0.5")
+    if spec.per_channel:
+        names.append("channel_lb0.9")
+        if not spec.delta:
+            names.append("channel_free")
+    return names
+
+
+def _log_decay(regime: str, shape, gen: torch.Generator) -> torch.Tensor:
+    """The regime's log decay of the given shape, float64 on the CPU."""
+    u = torch.rand(shape, generator=gen, dtype=torch.float64)
+    if regime in _ALPHA_REGIMES:
+        return math.log(_ALPHA_REGIMES[regime]) * (0.8 + 0.4 * u)
+    if regime == "channel_lb0.9":
+        return math.log(0.9) * u
+    if regime == "channel_free":
+        return torch.nn.functional.logsigmoid(torch.randn(shape, generator=gen, dtype=torch.float64))
+    return torch.log(0.9 + 0.099 * u)
+
+
+def make_inputs(problem: Problem, regime: str = "default", seed: int = 0, device="cpu",
+                batch: int | None = None, seqlen: int | None = None, heads: int | None = None) -> dict:
+    """Deterministic inputs for ``problem`` in one regime, the same on every device.
+
+    Args:
+        problem (Problem): variant, head dims, dtype and the default shape.
+        regime (str): a key of :data:`REGIMES`. Default: "default".
+        seed (int): seeds a CPU ``torch.Generator``; the tensors are moved to ``device`` afterwards.
+            Default: 0.
+        device (str or torch.device): where the tensors end up. Default: "cpu".
+        batch, seqlen, heads (int): override the problem's B, T, H. Default: None.
+
+    Returns:
+        dict: ``q, k`` [B, T, H, DK] and ``v`` [B, T, H, DV] in ``problem.torch_dtype``; ``g`` (the
+        variant's gate shape, or None) and ``beta`` [B, T, H] (delta variants, else None) and
+        ``initial_state`` [B, H, DK, DV] (or None) in float32; ``scale`` = DK ** -0.5.
+    """
+    spec = problem.spec
+    if regime not in REGIMES:
+        raise UserError(f"unknown regime {regime!r}; accepted: {', '.join(REGIMES)}")
+    if regime in _ALPHA_REGIMES and spec.gate is None:
+        raise UserError(f"regime {regime!r} sets a decay, but variant {spec.name!r} has none")
+    if regime.startswith("channel_") and not spec.per_channel:
+        raise UserError(f"regime {regime!r} needs per-channel gates; variant {spec.name!r} has gate {spec.gate!r}")
+    B = problem.batch if batch is None else batch
+    T = problem.seqlen if seqlen is None else seqlen
+    H = problem.heads if heads is None else heads
+    for label, n in (("batch", B), ("seqlen", T), ("heads", H)):
+        if not isinstance(n, int) or n < 1:
+            raise UserError(f"{label} must be a positive integer, got {n!r}")
+    DK, DV = problem.dk, problem.dv
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, DK, generator=gen)
+    k = torch.randn(B, T, H, DK, generator=gen)
+    v = torch.randn(B, T, H, DV, generator=gen)
+    if spec.delta:
+        q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
+    g_shape = spec.g_shape(B, T, H, DK)
+    g = None if g_shape is None else _log_decay(regime, g_shape, gen).float()
+    # 1 - U[0, 1) lies in (0, 1]; clamp keeps it off 1 so beta is strictly inside (0, 1).
+    beta = (1 - torch.rand(B, T, H, generator=gen)).clamp(max=1 - 1e-6) if spec.delta else None
+    initial_state = torch.randn(B, H, DK, DV, generator=gen) if regime == "initial_state" else None
+
+    def place(t, dtype):
+        return None if t is None else t.to(device=device, dtype=dtype)
+
+    dtype = problem.torch_dtype
+    return dict(q=place(q, dtype), k=place(k, dtype), v=place(v, dtype), g=place(g, torch.float32),
+                beta=place(beta, torch.float32), initial_state=place(initial_state, torch.float32),
+                scale=DK ** -0.5)
