@@ -1,0 +1,128 @@
+"""Our tuned kernels against FLA and the memory-bound floor, side by side in one run.
+
+For every variant and shape: the same inputs go through ``tuner.ops`` (the stored winner for
+this GPU) and FLA's op (with ``FLA_DISABLE_BACKEND_DISPATCH=1``, so FLA runs its own Triton
+kernels); both are timed with CUDA events and an L2 flush; the outputs are compared with each
+other (relative L2) and the floor is the time to move the bytes that must move at the copy rate
+measured on the H200. Prints a table and writes JSON.
+
+    FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+import torch  # noqa: E402
+
+from tuner import ops  # noqa: E402
+from tuner.bench import memory_floor_ms, time_forward  # noqa: E402
+from tuner.inputs import make_inputs  # noqa: E402
+from tuner.problem import Problem  # noqa: E402
+from tuner.variants import VARIANTS  # noqa: E402
+
+SHAPES = ((4, 8192, 16), (1, 32768, 32), (16, 2048, 32))
+
+
+def fla_call(variant: str, x: dict):
+    """FLA 0.6.0's op for ``variant`` on the inputs ``x`` (the anchor table's calls)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gla import chunk_gla
+    from fla.ops.kda import chunk_kda
+    from fla.ops.retention import chunk_retention
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    return {
+        "linear": lambda: chunk_simple_gla(q, k, v),
+        "decay": lambda: chunk_retention(q, k, v),
+        "simple_gla": lambda: chunk_simple_gla(q, k, v, g),
+        "gla": lambda: chunk_gla(q, k, v, g),
+        "gdn": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
+        "kda": lambda: chunk_kda(q, k, v, g, beta),
+    }[variant]
+
+
+def our_call(variant: str, x: dict):
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    return {
+        "linear": lambda: ops.chunk_simple_gla(q, k, v),
+        "decay": lambda: ops.chunk_retention(q, k, v),
+        "simple_gla": lambda: ops.chunk_simple_gla(q, k, v, g),
+        "gla": lambda: ops.chunk_gla(q, k, v, g),
+        "gdn": lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta),
+        "kda": lambda: ops.chunk_kda(q, k, v, g, beta),
+    }[variant]
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def measure(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> dict:
+    B, T, H = shape
+    problem = Problem(variant, dk, dk, dtype, B, T, H)
+    x = make_inputs(problem, regime="default", seed=0, device="cuda")
+    row = {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": B, "seqlen": T, "heads": H,
+           "floor_ms": memory_floor_ms(problem)}
+    try:
+        ours, fla = our_call(variant, x), fla_call(variant, x)
+        o_ours, o_fla = ours()[0], fla()[0]
+        row["rel_l2_vs_fla"] = rel_l2(o_ours, o_fla)
+        row["ours_ms"] = time_forward(ours).median_ms
+        row["fla_ms"] = time_forward(fla).median_ms
+        row["ratio"] = row["ours_ms"] / row["fla_ms"]
+        row["floor_fraction"] = row["floor_ms"] / row["ours_ms"]
+    except Exception as e:  # noqa: BLE001 - one failure is a row, the run goes on
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'variant':<11}{'D':>4} {'B x T x H':<13}{'ours ms':>9}{'FLA ms':>9}{'ours/FLA':>9}{'floor ms':>9}{'floor/ours':>11}{'relL2':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        shape = f"{r['batch']}x{r['seqlen']}x{r['heads']}"
+        if "error" in r:
+            lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}  error: {r['error'][:80]}")
+            continue
+        lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}{r['ours_ms']:>9.3f}{r['fla_ms']:>9.3f}"
+                     f"{r['ratio']:>9.2f}{r['floor_ms']:>9.3f}{r['floor_fraction']:>11.2f}{r['rel_l2_vs_fla']:>9.1e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all")
+    p.add_argument("--dk", type=int, action="append", help="head dims (default 128)")
+    p.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
+    p.add_argument("--shape", action="append", help="BxTxH (default: the three anchor shapes)")
+    p.add_argument("--json", default="benchmarks/vs_fla.json", help="where to write the rows")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("vs_fla: needs a CUDA GPU (and FLA installed)", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shape] if args.shape else SHAPES
+    rows = []
+    for variant in args.variant or VARIANTS:
+        for dk in args.dk or (128,):
+            for shape in shapes:
+                rows.append(measure(variant, dk, args.dtype, shape))
+                print(json.dumps(rows[-1]), flush=True)
+    gpu = torch.cuda.get_device_name()
+    for r in rows:
+        r["gpu"] = gpu
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\n{gpu}, {args.dtype}, forward only; FLA with FLA_DISABLE_BACKEND_DISPATCH=1")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Drop-in forward kernels with FLA 0.6.0's names, argument order, layouts and defaults.
+
+Each op looks up the best stored config for the problem on this GPU (``tuner.best_config``),
+compiles its kernel once per config (TileLang keeps it on disk, this module in memory; the
+kernels take the batch and sequence length at run time) and returns ``(o, final_state)``.
+Forward only: these are inference kernels, an input that requires grad is refused.
+
+Not supported (a clear error instead): variable-length batches (``cu_seqlens``) and FLA's
+in-kernel activations (``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .errors import UserError
+from .lookup import best_config
+from .problem import Problem
+from .render import render
+from .variants import get as get_variant
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class InputError(UserError, ValueError):
+    """Inputs of the wrong shape, dtype or device for an op."""
+
+
+def _check(variant: str, q, k, v, g, beta, initial_state) -> Problem:
+    spec = get_variant(variant)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name} must have shape [B, T, H, D], got {tuple(t.shape)}")
+        if not t.is_cuda:
+            raise InputError(f"{name} must be on a CUDA device, got {t.device}")
+        if t.dtype not in _DTYPES:
+            raise InputError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if torch.is_grad_enabled() and t.requires_grad:
+            raise InputError(f"{name} requires grad: tuner.ops are forward-only kernels")
+    B, T, H, DK = q.shape
+    DV = v.shape[-1]
+    if k.shape != q.shape:
+        raise InputError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise InputError(f"v must have shape [{B}, {T}, {H}, DV], got {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if len({q.device, k.device, v.device}) != 1:
+        raise InputError("q, k, v must be on one device")
+    expected_g = spec.g_shape(B, T, H, DK)
+    if expected_g is None and g is not None:
+        raise InputError(f"{variant} takes no gate g")
+    if expected_g is not None:
+        if g is None:
+            raise InputError(f"{variant} needs g of shape {list(expected_g)}")
+        if tuple(g.shape) != expected_g or g.device != q.device:
+            raise InputError(f"g must have shape {list(expected_g)} on {q.device}, got {tuple(g.shape)} on {g.device}")
+    if spec.delta:
+        if beta is None or tuple(beta.shape) != (B, T, H) or beta.device != q.device:
+            got = None if beta is None else (tuple(beta.shape), str(beta.device))
+            raise InputError(f"beta must have shape [{B}, {T}, {H}] on {q.device}, got {got}")
+    if initial_state is not None and (tuple(initial_state.shape) != (B, H, DK, DV) or initial_state.device != q.device):
+        raise InputError(f"initial_state must have shape [{B}, {H}, {DK}, {DV}] on {q.device}, "
+                         f"got {tuple(initial_state.shape)} on {initial_state.device}")
+    return Problem(variant, DK, DV, _DTYPES[q.dtype], B, T, H)
+
+
+@functools.cache
+def _compiled(variant: str, dk: int, dv: int, dtype: str, config: tuple):
+    """The generated module and its compiled kernels for one config (one compile per process)."""
+    from .compile import load_kernels
+
+    rendered = render(Problem(variant, dk, dv, dtype), dict(config))
+    return load_kernels(rendered)
+
+
+@functools.cache
+def _config(problem: Problem, device: int) -> tuple:
+    return tuple(best_config(problem.variant, problem.dk, problem.dv, problem.dtype, problem.batch,
+                             problem.seqlen, problem.heads, device=device).config.items())
+
+
+def _run(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False):
+    problem = _check(variant, q, k, v, g, beta, initial_state)
+    config = _config(problem, q.device.index or 0)
+    module, kernels = _compiled(problem.variant, problem.dk, problem.dv, problem.dtype, config)
+    with torch.cuda.device(q.device):
+        o, final_state = module.forward(kernels, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state)
+    return o, (final_state if output_final_state else None)
+
+
+def _unsupported(**options):
+    for name, value in options.items():
+        if value not in (None, False):
+            raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype)
+
+
+def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                      cu_seqlens=None):
+    """Linear attention, FLA's ``chunk_linear_attn``.
+
+    Args:
+        q (torch.Tensor): queries of shape [B, T, H, K].
+        k (torch.Tensor): keys of shape [B, T, H, K].
+        v (torch.Tensor): values of shape [B, T, H, V].
+        scale (float): multiplies q. Default: K ** -0.5.
+        initial_state (torch.Tensor | tuple): [B, H, K, V] fp32; with ``normalize`` a tuple
+            ``(kv_state, z_state)``, z_state [B, 1, H, K]. Default: None.
+        output_final_state (bool): return the final state. Default: False.
+        normalize (bool): divide each output by ``<scale q_t, sum_{s<=t} k_s>``. Default: True.
+
+    Returns:
+        o [B, T, H, V] and the final state (a tuple ``(kv_state, z_state)`` with ``normalize``), or None.
+    """
+    _unsupported(cu_seqlens=cu_seqlens)
+    kv_init, z_init = initial_state if normalize and isinstance(initial_state, tuple) else (initial_state, None)
+    o, final_state = _run("linear", q, k, v, scale=scale, initial_state=kv_init, output_final_state=output_final_state)
+    if not normalize:
+        return o, final_state
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_cum = k.float().cumsum(1)
+    if z_init is not None:
+        k_cum = k_cum + z_init.float()
+    o = (o.float() / ((q.float() * scale * k_cum).sum(-1, keepdim=True) + 1e-10)).to(o.dtype)
+    return o, ((final_state, k_cum[:, -1:].to(k.dtype)) if output_final_state else None)
+
+
+def retention_log_decay(heads: int, device=None) -> torch.Tensor:
+    """RetNet's per-head log decay, as FLA's ``chunk_retention`` uses: log(1 - 2^(-5 - h))."""
+    return (1 - 2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float, device=device))).log()
+
+
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Retention (constant per-head decay), FLA's ``chunk_retention``.
+
+    Args:
+        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        output_final_state (bool): Default: False.
+
+    Returns:
+        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+    """
+    _unsupported(cu_seqlens=cu_seqlens)
+    g = retention_log_decay(q.shape[2], q.device)
+    return _run("decay", q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                     state_v_first=False, cu_seqlens=None):
+    """Scalar-gated linear attention (Mamba2 / SSD), FLA's ``chunk_simple_gla``.
+
+    Args:
+        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
+        g (torch.Tensor): per-token log gate [B, T, H]. Default: None.
+        g_gamma (torch.Tensor): per-head constant log decay [H]; only one of g, g_gamma. Default: None.
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        output_final_state (bool): Default: False.
+
+    Returns:
+        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+    """
+    _unsupported(state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+    if g is not None and g_gamma is not None:
+        raise InputError("give only one of g and g_gamma")
+    variant, gate = ("simple_gla", g) if g is not None else ("decay", g_gamma) if g_gamma is not None else ("linear", None)
+    return _run(variant, q, k, v, g=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+              cu_seqlens=None):
+    """Gated linear attention with a per-channel gate, FLA's ``chunk_gla``.
+
+    Args:
+        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
+        g (torch.Tensor): per-channel log gate [B, T, H, K].
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        output_final_state (bool): Default: False.
+
+    Returns:
+        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+    """
+    _unsupported(state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+    return _run("gla", q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, state_v_first=False,
+                           cu_seqlens=None):
+    """Gated DeltaNet, FLA's ``chunk_gated_delta_rule``.
+
+    Args:
+        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
+        g (torch.Tensor): per-token log decay [B, T, H]. beta (torch.Tensor): write strength [B, T, H].
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        output_final_state (bool): Default: False.
+        use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+
+    Returns:
+        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+    """
+    _unsupported(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_v_first=state_v_first,
+                 cu_seqlens=cu_seqlens)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    return _run("gdn", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              cu_seqlens=None):
+    """Kimi Delta Attention, FLA's ``chunk_kda``.
+
+    Args:
+        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
+        g (torch.Tensor): per-channel log decay [B, T, H, K]. beta (torch.Tensor): [B, T, H].
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        output_final_state (bool): Default: False.
+        use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+
+    Returns:
+        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+    """
+    _unsupported(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                 cu_seqlens=cu_seqlens)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    return _run("kda", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state)
+
+
+__all__ = ["chunk_linear_attn", "chunk_retention", "chunk_simple_gla", "chunk_gla", "chunk_gated_delta_rule",
+           "chunk_kda", "retention_log_decay", "InputError"]
