@@ -1,0 +1,57 @@
+"""Timing and the memory-bound floor. Floors are checked against hand counts of the bytes."""
+import pytest
+import torch
+
+from tuner.bench import H200_COPY_GBPS, floor_bytes, memory_floor_ms, time_forward
+from tuner.problem import Problem
+
+
+def test_floor_of_the_reference_shape_matches_the_notes():
+    # Notes: reading q, k, v and writing o in bf16 at 4 x 8192 x 16, D = 128 is 0.54 GB, ~0.125 ms.
+    p = Problem("linear", 128, 128, "bf16", batch=4, seqlen=8192, heads=16)
+    qkvo = 4 * 8192 * 16 * 128 * 4 * 2
+    state = 4 * 16 * 128 * 128 * 4
+    assert floor_bytes(p) == qkvo + state
+    assert floor_bytes(p, final_state=False) == qkvo == 536_870_912
+    assert memory_floor_ms(p, final_state=False) == pytest.approx(0.1249, abs=1e-4)
+    assert H200_COPY_GBPS == 4300.0
+
+
+@pytest.mark.parametrize("variant, gate_elems, beta", [
+    pytest.param("decay", 16, False, id="decay-per-head"),
+    pytest.param("simple_gla", 4 * 8192 * 16, False, id="simple_gla-per-token"),
+    pytest.param("gla", 4 * 8192 * 16 * 64, False, id="gla-per-channel"),
+    pytest.param("gdn", 4 * 8192 * 16, True, id="gdn-token-and-beta"),
+    pytest.param("kda", 4 * 8192 * 16 * 64, True, id="kda-channel-and-beta"),
+])
+def test_floor_counts_gates_beta_and_states(variant, gate_elems, beta):
+    p = Problem(variant, 64, 128, "fp16", batch=4, seqlen=8192, heads=16)
+    tokens = 4 * 8192 * 16
+    expected = 2 * tokens * (64 + 64 + 128 + 128) + 4 * gate_elems + (4 * tokens if beta else 0)
+    states = 4 * 16 * 64 * 128 * 4
+    assert floor_bytes(p) == expected + states
+    assert floor_bytes(p, initial_state=True) == expected + 2 * states
+    assert memory_floor_ms(p, bandwidth_gbps=1000) == pytest.approx((expected + states) / 1e12 * 1e3)
+
+
+def test_floor_at_another_shape():
+    p = Problem("linear", 64, 64, "bf16")
+    assert floor_bytes(p, batch=1, seqlen=10, heads=1, final_state=False) == 2 * 10 * 4 * 64
+
+
+def test_host_timing_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    t = time_forward(lambda: calls.append(1), warmup_ms=0, rep=7)
+    assert t.device == "cpu" and t.reps == 7 and len(calls) == 8  # one warm-up call at least
+    assert 0 <= t.p10_ms <= t.median_ms <= t.p90_ms
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_timing_of_a_copy_is_near_the_copy_rate():
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_forward(lambda: dst.copy_(src), rep=20)
+    assert t.device == "cuda" and t.reps == 20
+    rate_gbps = 2 * src.numel() / (t.median_ms * 1e-3) / 1e9
+    assert 0.5 * H200_COPY_GBPS < rate_gbps < 1.2 * H200_COPY_GBPS

@@ -1,0 +1,115 @@
+"""The gate with real child processes: hand-written pure-torch modules that pass, hang, return NaN,
+return wrong values or die run on the CPU; TileLang modules that fail to compile or that the
+screen rejects stop the child before anything runs. A CUDA test gates a rendered config."""
+import json
+import math
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tuner.gate import GateResult, gate_and_time, run_gate
+from tuner.inputs import regimes_for
+from tuner.problem import Problem
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PROBLEM = Problem("decay", 64, 64, "bf16", batch=1, seqlen=128, heads=2)
+# Small shapes for the CPU: a length that is a multiple of the chunk and one that is not.
+SMALL = dict(seqlens=(64, 50), batch=1, heads=2, seeds=(0,))
+# Generous: two processes share two loaded cores, and importing torch alone can take seconds.
+TIMEOUT_S = 240
+
+
+def source(name: str, **constants) -> str:
+    src = (FIXTURES / name).read_text()
+    for key, value in constants.items():
+        src, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", src, flags=re.M)
+        assert n == 1, key
+    return src
+
+
+def behaving(behaviour: str) -> str:
+    return source("torch_forward.py", BEHAVIOUR=repr(behaviour))
+
+
+def test_correct_module_passes_every_regime(tmp_path):
+    result = run_gate(PROBLEM, {}, source=behaving("correct"), timeout_s=TIMEOUT_S, cache_dir=tmp_path, **SMALL)
+    assert result.status == "pass", result.message
+    assert set(result.errors) == set(regimes_for("decay"))
+    for e in result.errors.values():
+        # Only the rounding of o to bf16 separates the oracles: far under the 2e-2 tolerance.
+        assert e["o"] < 1e-2 and e["final_state"] < 1e-6 and e["seqlen"] in (64, 50)
+    assert result.compile["kernels"] == [] and result.seconds > 0
+    assert GateResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
+
+
+def test_hanging_forward_is_killed_and_reported(tmp_path):
+    timeout_s = 40
+    start = time.perf_counter()
+    result = run_gate(PROBLEM, {}, source=behaving("hang"), timeout_s=timeout_s, regimes=["default"],
+                      cache_dir=tmp_path, **SMALL)
+    assert time.perf_counter() - start < timeout_s + 15
+    assert result.status == "hang"
+    assert "forward: regime default, T=64, seed 0" in result.message
+
+
+def test_nan_is_caught(tmp_path):
+    result = run_gate(PROBLEM, {}, source=behaving("nan"), timeout_s=TIMEOUT_S, regimes=["default"],
+                      cache_dir=tmp_path, **SMALL)
+    assert result.status == "nan" and "o" in result.message
+    assert math.isnan(result.errors["default"]["o"]) and result.errors["default"]["final_state"] < 1e-6
+
+
+def test_wrong_values_mismatch_and_tolerance_is_overridable(tmp_path):
+    result = run_gate(PROBLEM, {}, source=behaving("wrong"), timeout_s=TIMEOUT_S, regimes=["default"],
+                      cache_dir=tmp_path, **SMALL)
+    assert result.status == "mismatch" and "above 0.02" in result.message
+    assert 0.045 < result.errors["default"]["o"] < 0.055  # o scaled by 1.05
+    loose = run_gate(PROBLEM, {}, source=behaving("wrong"), timeout_s=TIMEOUT_S, regimes=["default"],
+                     tolerance=0.1, cache_dir=tmp_path, **SMALL)
+    assert loose.status == "pass"
+
+
+def test_dying_child_is_a_crash(tmp_path):
+    result = run_gate(PROBLEM, {}, source=behaving("crash"), timeout_s=TIMEOUT_S, regimes=["default"],
+                      cache_dir=tmp_path, **SMALL)
+    assert result.status == "crash" and "exited with code 3" in result.message
+
+
+def test_compile_error_is_reported_with_the_message(tmp_path):
+    result = run_gate(PROBLEM, {}, source=source("gemm_kernel.py", BLOCK_K_OF_B=32), timeout_s=TIMEOUT_S,
+                      cache_dir=tmp_path, **SMALL)
+    assert result.status == "compile_error"
+    assert "K shape check failed: K_A = 64, K_B = 32" in result.message
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to compile for sm_90a")
+def test_screen_rejects_before_running(tmp_path):
+    result = run_gate(Problem("decay", 128, 128, "fp16"), {}, source=source("seed_decay_kernel.py"),
+                      timeout_s=TIMEOUT_S, cache_dir=tmp_path, **SMALL)
+    assert result.status == "screen"
+    assert "barrier for 128 threads inside a branch entered by 64 threads" in result.message
+    assert result.errors == {}
+
+
+def test_gate_and_time_fills_the_timing(tmp_path):
+    result = gate_and_time(PROBLEM, {}, source=behaving("correct"), timeout_s=TIMEOUT_S, regimes=["default"],
+                           warmup_ms=1, rep=3, cache_dir=tmp_path, **SMALL)
+    assert result.status == "pass", result.message
+    t = result.timing
+    assert t["reps"] == 3 and 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"] and t["floor_ms"] > 0
+    assert t["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rendered_default_config_passes_on_the_gpu(tmp_path):
+    from tuner import space
+
+    problem = Problem("decay", 128, 128, "bf16")
+    config = space.load("decay").default(problem)
+    result = gate_and_time(problem, config, timeout_s=600, cache_dir=tmp_path)
+    assert result.status == "pass", result.message
+    assert result.timing["device"] == "cuda" and result.timing["median_ms"] > result.timing["floor_ms"]

@@ -1,0 +1,139 @@
+"""Timing of a kernel call and the memory-bound floor it is judged against.
+
+Method (/work/.library/device/METHOD.md): device events around each call, warm-up first, a 256 MB
+write before every repetition so no input is served from the 50 MB L2 of an H200, the median and
+the 10th/90th percentiles of the repetitions.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .problem import Problem
+
+__all__ = ["Timing", "time_forward", "memory_floor_ms", "floor_bytes", "H200_COPY_GBPS"]
+
+# Device-to-device copy rate measured on the H200 of this project (bytes read + bytes written
+# per second): 4.3 TB/s (shared/notes/tilelang-and-gpu-facts.md, "Floors"). The datasheet's
+# 4.8 TB/s is not reached by any copy.
+H200_COPY_GBPS = 4300.0
+# Larger than the L2 of every Hopper part (50 MB on H100/H200).
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call over ``reps`` repetitions. ``device``: "cuda" (events) or "cpu" (host clock)."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+    device: str = "cuda"
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: the run's relative noise."""
+        return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_forward(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep: int = 100, flush_l2: bool = True,
+                 device: str | torch.device | None = None) -> Timing:
+    """Time ``fn()`` (one kernel call, or the host glue that launches several).
+
+    Args:
+        fn (Callable): called with no arguments; its inputs are bound already.
+        warmup_ms (float): calls made (and discarded) until this much time has passed, at least one.
+            Default: 25.
+        rep (int): timed repetitions. Default: 100.
+        flush_l2 (bool): write a 256 MB buffer before each repetition, outside the timed region.
+            Default: True.
+        device: CUDA device to time on. Default: None (the current CUDA device). Without CUDA the
+            host clock times ``fn`` (no L2 flush): for CPU-only runs and tests, not for reports.
+
+    Returns:
+        Timing: median, 10th and 90th percentile in milliseconds.
+    """
+    if rep < 1:
+        raise ValueError(f"rep must be >= 1, got {rep}")
+    if not torch.cuda.is_available():
+        return _time_on_host(fn, warmup_ms, rep)
+    with torch.cuda.device(device):
+        flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        while (time.perf_counter() - start) * 1e3 < warmup_ms:
+            fn()
+            torch.cuda.synchronize()
+        begins = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+        for b, e in zip(begins, ends):
+            if flush is not None:
+                flush.zero_()
+            b.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return _timing([b.elapsed_time(e) for b, e in zip(begins, ends)], "cuda")
+
+
+def _time_on_host(fn, warmup_ms: float, rep: int) -> Timing:
+    start = time.perf_counter()
+    fn()
+    while (time.perf_counter() - start) * 1e3 < warmup_ms:
+        fn()
+    times = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return _timing(times, "cpu")
+
+
+def _timing(times_ms: list[float], device: str) -> Timing:
+    qs = statistics.quantiles(times_ms, n=10, method="inclusive") if len(times_ms) > 1 else times_ms * 9
+    return Timing(statistics.median(times_ms), qs[0], qs[-1], len(times_ms), device)
+
+
+def floor_bytes(problem: Problem, *, batch: int | None = None, seqlen: int | None = None, heads: int | None = None,
+                initial_state: bool = False, final_state: bool = True) -> int:
+    """The fewest bytes a forward pass must move through device memory.
+
+    q, k [B, T, H, DK] and v [B, T, H, DV] read and o [B, T, H, DV] written in the input dtype;
+    the gate read in fp32 ([H], [B, T, H] or [B, T, H, DK] as the variant's ``gate`` says) and beta
+    [B, T, H] for the delta variants; the fp32 states [B, H, DK, DV]: the final one written, the
+    initial one read when given.
+    """
+    B = problem.batch if batch is None else batch
+    T = problem.seqlen if seqlen is None else seqlen
+    H = problem.heads if heads is None else heads
+    spec, DK, DV = problem.spec, problem.dk, problem.dv
+    elem = 2  # fp16 and bf16
+    total = elem * B * T * H * (2 * DK + 2 * DV)
+    g_shape = spec.g_shape(B, T, H, DK)
+    if g_shape is not None:
+        n = 1
+        for d in g_shape:
+            n *= d
+        total += 4 * n
+    if spec.delta:
+        total += 4 * B * T * H
+    total += 4 * B * H * DK * DV * (int(initial_state) + int(final_state))
+    return total
+
+
+def memory_floor_ms(problem: Problem, bandwidth_gbps: float = H200_COPY_GBPS, **shape) -> float:
+    """The memory-bound floor: :func:`floor_bytes` over ``bandwidth_gbps`` (GB/s, 1e9 bytes), in ms.
+
+    At the default 4.3 TB/s, the linear variant at B=4, T=8192, H=16, D=128 in bf16 moves 0.537 GB
+    (plus 4 MB of final state): about 0.126 ms, the notes' 0.125 ms floor.
+    """
+    return floor_bytes(problem, **shape) / (bandwidth_gbps * 1e9) * 1e3

@@ -1,0 +1,394 @@
+"""Compile a rendered kernel module for Hopper and report what ptxas says about each kernel.
+
+The rendered source is written to ``<cache>/kernels/<rendered.name>.py`` (kept for inspection;
+``<cache>`` is ``$LINATTN_CACHE`` or ``~/.cache/linattn-tuner``), imported from that file (TileLang
+reads a ``prim_func``'s source through ``inspect``, so it must live in a file), and every program
+of ``programs()`` is compiled with ptxas in verbose mode. The figures come from the ``PTXAS
+verbose output`` record of the ``tilelang`` logger (shared/notes/tilelang-and-gpu-facts.md).
+
+Caching: a TileLang cache hit skips nvcc and with it the ptxas lines, so reports would silently
+lose their figures. ``compile_rendered`` therefore compiles with TileLang's caches switched off
+and keeps its own cache instead: the report is stored beside the kernel as
+``<name>.<arch>.report.json`` (the name holds the source digest) and reused, without compiling,
+when asked again. ``load_kernels`` is the other way round: it is for running kernels, keeps
+TileLang's cache on (only the first call compiles) and reports nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from .screen import Finding, screen
+
+__all__ = ["KernelReport", "CompileReport", "compile_rendered", "build_kernels", "load_kernels",
+           "kernels_dir", "parse_ptxas"]
+
+# Error messages keep their tail (where nvcc and TVM put the cause), at most this many characters.
+ERROR_CHARS = 4000
+
+
+@dataclass
+class KernelReport:
+    """What ptxas and TileLang say about one compiled program.
+
+    Attributes:
+        name: the program's name in ``programs()``.
+        entry: the ``__global__`` function ptxas compiled.
+        registers: registers per thread (with warp specialisation on, the ``setmaxnreg`` cap).
+        spill_stores, spill_loads, stack_frame: bytes, per thread.
+        smem_bytes: static shared memory (ptxas). dynamic_smem_bytes: the dynamic shared memory
+            TileLang launches with (None where it depends on a symbolic shape or is unknown).
+        barriers: named barriers used. threads: threads per block (producer warps included).
+        wgmma_serialized: ptxas warned C7512 (wgmma serialised for lack of registers).
+    """
+
+    name: str
+    entry: str | None = None
+    registers: int | None = None
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack_frame: int = 0
+    smem_bytes: int = 0
+    dynamic_smem_bytes: int | None = None
+    barriers: int = 0
+    threads: int | None = None
+    wgmma_serialized: bool = False
+    cuda_source: str = field(default="", repr=False)
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_stores or self.spill_loads)
+
+
+@dataclass
+class CompileReport:
+    """The outcome of compiling one rendered module: a compile failure is a result, not an exception.
+
+    ``ok``: compiled and no screen finding rejects it. ``error``: the compiler's message, trimmed.
+    """
+
+    name: str
+    digest: str
+    arch: str
+    kernels: list[KernelReport] = field(default_factory=list)
+    compile_seconds: float = 0.0
+    error: str | None = None
+    screen_findings: list[Finding] = field(default_factory=list)
+    source_path: str = ""
+    cached: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.rejected
+
+    @property
+    def rejected(self) -> list[Finding]:
+        """The screen findings that reject the kernel."""
+        return [f for f in self.screen_findings if f.rejects]
+
+    @property
+    def spills(self) -> bool:
+        return any(k.spills for k in self.kernels)
+
+    @property
+    def wgmma_serialized(self) -> bool:
+        return any(k.wgmma_serialized for k in self.kernels)
+
+    def as_dict(self, with_source: bool = False) -> dict:
+        d = asdict(self)
+        d["screen_findings"] = [f.as_dict() for f in self.screen_findings]
+        if not with_source:
+            for k in d["kernels"]:
+                k.pop("cuda_source")
+        d.update(ok=self.ok, spills=self.spills)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompileReport":
+        d = {k: v for k, v in d.items() if k not in ("ok", "spills")}
+        d["kernels"] = [KernelReport(**k) for k in d.get("kernels", [])]
+        d["screen_findings"] = [Finding.from_dict(f) for f in d.get("screen_findings", [])]
+        return cls(**d)
+
+    def summary(self) -> str:
+        """A short human table."""
+        head = f"{self.name} ({self.arch}): "
+        if self.error is not None:
+            return head + f"COMPILE ERROR after {self.compile_seconds:.1f} s\n{self.error}"
+        verdict = "ok" if self.ok else "REJECTED by the screen"
+        lines = [head + f"{verdict}, {len(self.kernels)} kernel(s), {self.compile_seconds:.1f} s"
+                 + (" (cached report)" if self.cached else "")]
+        lines.append(f"  {'kernel':<24}{'thr':>5}{'regs':>6}{'spill st/ld':>13}{'stack':>7}"
+                     f"{'smem':>8}{'dyn smem':>10}{'bars':>6}  wgmma")
+        for k in self.kernels:
+            dyn = "?" if k.dynamic_smem_bytes is None else str(k.dynamic_smem_bytes)
+            lines.append(f"  {k.name:<24}{k.threads or '?':>5}{k.registers if k.registers is not None else '?':>6}"
+                         f"{f'{k.spill_stores}/{k.spill_loads}':>13}{k.stack_frame:>7}{k.smem_bytes:>8}{dyn:>10}"
+                         f"{k.barriers:>6}  {'SERIALIZED (C7512)' if k.wgmma_serialized else 'ok'}")
+        for f in self.screen_findings:
+            lines.append(f"  screen {'REJECT' if f.rejects else 'note'} line {f.line}: {f.message}")
+        return "\n".join(lines)
+
+
+def kernels_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where rendered modules and reports are kept: ``<cache_dir or $LINATTN_CACHE or
+    ~/.cache/linattn-tuner>/kernels``."""
+    root = cache_dir or os.environ.get("LINATTN_CACHE") or Path.home() / ".cache" / "linattn-tuner"
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def compile_rendered(rendered, *, arch: str = "sm_90a", cache_dir=None) -> CompileReport:
+    """Compile every program of a rendered module and report ptxas' figures and the screen's findings.
+
+    Args:
+        rendered (Rendered): from ``tuner.render.render`` (anything with ``name``, ``digest``,
+            ``source`` and optionally ``config``).
+        arch (str): CUDA architecture. Default: "sm_90a".
+        cache_dir (str or Path): cache root. Default: None ($LINATTN_CACHE or ~/.cache/linattn-tuner).
+
+    Returns:
+        CompileReport: reused from ``<name>.<arch>.report.json`` when present (``cached`` set).
+    """
+    path = _report_path(rendered, arch, cache_dir)
+    if path.exists():
+        try:
+            report = CompileReport.from_dict(json.loads(path.read_text()))
+            report.cached = True
+            return report
+        except (ValueError, TypeError, KeyError):
+            pass  # unreadable (an older format): compile again
+    report, _, _ = build_kernels(rendered, arch=arch, cache_dir=cache_dir)
+    return report
+
+
+def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
+    """Compile fresh (TileLang caches off, so ptxas runs), screen, store the report, and return the
+    kernels too, for callers that run them right away (the gate): one compile serves both.
+
+    Returns:
+        (CompileReport, module or None, dict name -> JITKernel). The kernels are empty on a compile error.
+    """
+    source_path = _write_source(rendered, cache_dir)
+    report = CompileReport(rendered.name, rendered.digest, arch, source_path=str(source_path))
+    threads = (getattr(rendered, "config", None) or {}).get("threads")
+    kernels = {}
+    module = None
+    start = time.perf_counter()
+    try:
+        module = _import(rendered.name, source_path)
+        programs = module.programs()
+        if programs:  # a module without programs (a pure-torch test double) needs no TileLang
+            with _fresh_compile() as capture:
+                for name, prim_func, pass_configs in programs:
+                    capture.clear()
+                    kernels[name] = _compile(prim_func, arch, pass_configs, verbose=True)
+                    report.kernels.append(_kernel_report(name, kernels[name], capture.ptxas_output()))
+    except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
+        report.error = _trim(e)
+        kernels = {}
+    report.compile_seconds = round(time.perf_counter() - start, 3)
+    for k in report.kernels:
+        report.screen_findings += screen(k.cuda_source, k.threads or threads)
+    _report_path(rendered, arch, cache_dir).write_text(json.dumps(report.as_dict(with_source=False), indent=1))
+    return report, module, kernels
+
+
+def load_kernels(rendered, arch: str = "sm_90a", cache_dir=None) -> tuple[ModuleType, dict]:
+    """The imported module and its compiled programs for running (TileLang's cache on: only the
+    first call for a given source compiles).
+
+    Returns:
+        (module, dict name -> JITKernel).
+    """
+    module = _import(rendered.name, _write_source(rendered, cache_dir))
+    kernels = {name: _compile(f, arch, pc, verbose=False) for name, f, pc in module.programs()}
+    return module, kernels
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _report_path(rendered, arch: str, cache_dir) -> Path:
+    return kernels_dir(cache_dir) / f"{rendered.name}.{arch}.report.json"
+
+
+def _write_source(rendered, cache_dir) -> Path:
+    """Write the module once (atomically: other processes may compile the same config)."""
+    path = kernels_dir(cache_dir) / f"{rendered.name}.py"
+    if not path.exists() or path.read_text() != rendered.source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(rendered.source)
+        os.replace(tmp, path)
+    return path
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _compile(prim_func, arch: str, pass_configs: dict | None, verbose: bool):
+    import tilelang
+
+    flags = ["-Xptxas", "-v"] if verbose else None
+    return tilelang.compile(prim_func, target={"kind": "cuda", "arch": arch}, pass_configs=pass_configs or {},
+                            compile_flags=flags)
+
+
+class _Capture(logging.Handler):
+    """Collects the ``tilelang`` logger's records while a compile runs."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def clear(self):
+        self.messages.clear()
+
+    def ptxas_output(self) -> str:
+        return "\n".join(m for m in self.messages if "ptxas" in m)
+
+
+@contextlib.contextmanager
+def _fresh_compile():
+    """TileLang caches off and verbose ptxas on (both read from the environment at compile time);
+    the logger's records captured, its console handlers quiet.
+
+    With verbose on, TileLang also passes ``-w`` to nvcc, which silences ptxas warnings, C7512
+    included (checked: ``-Xptxas -warn-spills`` prints its warning without ``-w``, nothing with
+    it). ``-w`` is dropped from the options for the duration.
+    """
+    from tilelang.contrib import nvcc
+
+    compile_cuda = nvcc.compile_cuda
+
+    def compile_cuda_keeping_warnings(code, target_format="ptx", arch=None, options=None, path_target=None,
+                                      verbose=False):
+        if isinstance(options, list):
+            options = [o for o in options if o != "-w"]
+        return compile_cuda(code, target_format, arch, options, path_target, verbose)
+
+    saved_env = {k: os.environ.get(k) for k in ("TILELANG_DISABLE_CACHE", "TILELANG_VERBOSE")}
+    os.environ.update(TILELANG_DISABLE_CACHE="1", TILELANG_VERBOSE="1")
+    nvcc.compile_cuda = compile_cuda_keeping_warnings
+    logger = logging.getLogger("tilelang")
+    saved_level = logger.level
+    quieted = [(h, h.level) for h in logger.handlers]
+    for h, _ in quieted:
+        h.setLevel(logging.WARNING)
+    capture = _Capture()
+    logger.addHandler(capture)
+    logger.setLevel(logging.INFO)
+    try:
+        yield capture
+    finally:
+        nvcc.compile_cuda = compile_cuda
+        logger.removeHandler(capture)
+        logger.setLevel(saved_level)
+        for h, level in quieted:
+            h.setLevel(level)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_ENTRY_RE = re.compile(r"Compiling entry function '(\w+)'")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED_RE = re.compile(r"Used (\d+) registers")
+_BARRIERS_RE = re.compile(r"used (\d+) barriers")
+_SMEM_RE = re.compile(r"(\d+) bytes smem")
+_C7512_RE = re.compile(r"C7512")
+
+
+def parse_ptxas(text: str) -> dict[str, dict]:
+    """ptxas ``-v`` output -> {entry function: {registers, barriers, smem_bytes, stack_frame,
+    spill_stores, spill_loads, wgmma_serialized}}. A C7512 warning naming no function is given
+    to every entry of the output."""
+    entries: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        m = _ENTRY_RE.search(line)
+        if m:
+            current = entries.setdefault(m.group(1), dict(registers=None, barriers=0, smem_bytes=0, stack_frame=0,
+                                                          spill_stores=0, spill_loads=0, wgmma_serialized=False))
+            continue
+        if current is None:
+            continue
+        if m := _FRAME_RE.search(line):
+            current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif m := _USED_RE.search(line):
+            barriers, smem = _BARRIERS_RE.search(line), _SMEM_RE.search(line)
+            current.update(registers=int(m.group(1)), barriers=int(barriers.group(1)) if barriers else 0,
+                           smem_bytes=int(smem.group(1)) if smem else 0)
+    for line in text.splitlines():
+        if _C7512_RE.search(line):
+            named = re.search(r"function '(\w+)'", line)
+            for entry, figures in entries.items():
+                if named is None or named.group(1) == entry:
+                    figures["wgmma_serialized"] = True
+    return entries
+
+
+def _kernel_report(name: str, kernel, ptxas_output: str) -> KernelReport:
+    entries = parse_ptxas(ptxas_output)
+    if not entries:
+        raise RuntimeError(f"no ptxas figures were logged for program {name!r}; was nvcc skipped?")
+    # One program may lower to several entry functions: report the heaviest of each figure.
+    fig = {key: max(e[key] or 0 for e in entries.values()) for key in next(iter(entries.values()))}
+    fig["wgmma_serialized"] = any(e["wgmma_serialized"] for e in entries.values())
+    entry = max(entries, key=lambda e: entries[e]["registers"] or 0)
+    dynamic_smem, threads = _launch_attributes(kernel, entry)
+    return KernelReport(name=name, entry=entry, dynamic_smem_bytes=dynamic_smem, threads=threads,
+                        cuda_source=kernel.get_kernel_source(), **fig)
+
+
+def _launch_attributes(kernel, entry: str) -> tuple[int | None, int | None]:
+    """Dynamic shared memory and threads per block, from the device function's attributes."""
+    try:
+        for gv, func in kernel.artifact.device_mod.functions.items():
+            if gv.name_hint != entry:
+                continue
+            attrs = func.attrs
+            dyn = attrs.get("dyn_shared_memory_buf") if attrs is not None else None
+            extent = attrs.get("thread_extent") if attrs is not None else None
+            threads = None
+            if extent is not None:
+                dims = [extent.get(f"threadIdx.{d}", 1) for d in "xyz"]
+                if all(str(x).isdigit() for x in dims):
+                    threads = int(dims[0]) * int(dims[1]) * int(dims[2])
+            return (int(dyn) if dyn is not None and str(dyn).isdigit() else None), threads
+    except AttributeError:
+        pass
+    return None, None
+
+
+def _trim(e: BaseException) -> str:
+    """The useful part of a compile failure: nvcc's output, or the tail of the message."""
+    text = str(e)
+    if "Compilation error:" in text:  # tilelang.contrib.nvcc: source, then nvcc's output, then the command
+        text = text.split("Compilation error:", 1)[1].split("\nCommand:", 1)[0]
+    text = f"{type(e).__name__}: {text.strip()}"
+    return text if len(text) <= ERROR_CHARS else "..." + text[-ERROR_CHARS:]
