@@ -12,7 +12,7 @@ import sys
 from . import variants
 from .errors import UserError
 
-SUBCOMMANDS = ("run", "render", "compile", "predict", "calibrate", "regress", "dashboard")
+SUBCOMMANDS = ("run", "render", "compile", "gate", "predict", "calibrate", "regress", "dashboard")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(comp)
     comp.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    gate = sub.add_parser("gate", help="run the correctness gate for one config on the GPU and print its errors",
+                          description="Compile one config, run it in a child process with a watchdog over the "
+                                      "variant's regimes (T a multiple of the chunk and not, several seeds) and "
+                                      "compare output and final state with the fp64 chunked oracle.")
+    _add_problem(gate, shape=False)
+    _add_config(gate)
+    gate.add_argument("--timeout", type=_positive, default=300, metavar="S", help="watchdog seconds (default 300)")
+    gate.add_argument("--gpu", type=int, default=0, metavar="ID", help="CUDA device index (default 0)")
+    gate.add_argument("--json", action="store_true", help="print the result as JSON")
+
     pred = sub.add_parser("predict", help="the register/shared-memory model's prediction for one config")
     _add_problem(pred, shape=False)
     _add_config(pred)
@@ -98,10 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     reg = sub.add_parser("regress", help="re-gate and re-time stored winners; exit 1 on a regression")
     reg.add_argument("--variant", action="append", metavar="V", help="limit to these variants (repeatable)")
     _add_db(reg)
+    reg.add_argument("--replay", action="store_true",
+                     help="judge the latest recorded measurement of each winner against the earlier ones; "
+                          "re-runs nothing, needs no GPU")
+    reg.add_argument("--gpu", type=int, default=0, metavar="ID", help="CUDA device index (default 0)")
 
     dash = sub.add_parser("dashboard", help="write the static regression dashboard")
     _add_db(dash)
     dash.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    dash.add_argument("--vs-fla", metavar="PATH",
+                      help="FLA comparison written by benchmarks/vs_fla.py (default: benchmarks/vs_fla.json)")
     return parser
 
 
@@ -151,6 +167,21 @@ def _cmd_compile(args) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_gate(args) -> int:
+    from . import gate
+
+    problem = problem_from(args)
+    result = gate.run_gate(problem, config_from(args, problem), timeout_s=args.timeout, device=args.gpu)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(f"{problem.variant} dk={problem.dk} dv={problem.dv} {problem.dtype}: {result.status} "
+              f"({result.seconds:.1f} s) {result.message}")
+        for regime, err in result.errors.items():
+            print(f"  {regime:<14} o {err['o']:.2e}  final_state {err['final_state']:.2e}  (T={err['seqlen']})")
+    return 0 if result.status == "pass" else 1
+
+
 def _cmd_predict(args) -> int:
     from . import model
 
@@ -179,17 +210,17 @@ def _cmd_regress(args) -> int:
 
     for v in args.variant or ():
         variants.get(v)
-    return regress.regress_main(args.db, args.variant)
+    return regress.regress_main(args.db, args.variant, replay_only=args.replay, device=args.gpu)
 
 
 def _cmd_dashboard(args) -> int:
     from . import dashboard
 
-    return dashboard.dashboard_main(args.db, args.out)
+    return dashboard.dashboard_main(args.db, args.out, vs_fla=args.vs_fla)
 
 
 COMMANDS = {
-    "run": _cmd_run, "render": _cmd_render, "compile": _cmd_compile, "predict": _cmd_predict,
+    "run": _cmd_run, "render": _cmd_render, "compile": _cmd_compile, "gate": _cmd_gate, "predict": _cmd_predict,
     "calibrate": _cmd_calibrate, "regress": _cmd_regress, "dashboard": _cmd_dashboard,
 }
 
