@@ -1,0 +1,239 @@
+"""`tune dashboard` on a real SQLite file built through tuner.store: the site opens from disk in
+a headless Chromium with no console error and no request leaving the folder, draws its charts,
+and marks the recorded slowdown (and only that one)."""
+import json
+import random
+import re
+import struct
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tuner.dashboard import nice_ticks, parameter_effects
+from tuner.environment import Environment
+from tuner.problem import Problem
+from tuner.store import CalibrationPoint, Measurement, Store, TrialRecord, Winner
+
+from browser import Browser, chromium
+
+H200 = Environment("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
+UPGRADED = replace(H200, tilelang="0.1.16")
+NEW_DRIVER = replace(H200, driver="575.51.03")
+SLOW = Problem("gdn", 128, 128, "bf16", 4, 8192, 16)     # slowed down by the TileLang upgrade
+STEADY = Problem("kda", 64, 64, "bf16", 2, 4096, 32)     # survived a driver upgrade unchanged
+T0 = datetime(2026, 3, 1, 12, 0)
+
+
+def page_name(p: Problem) -> str:
+    return f"{p.variant}-k{p.dk}-v{p.dv}-{p.dtype}-b{p.batch}-t{p.seqlen}-h{p.heads}.html"
+
+
+def tune_study(store: Store, problem: Problem, seed: int) -> TrialRecord:
+    """Record 30 trials of a study the way tuner.search does (a few pruned, some failed, the rest
+    timed); the fastest passing one."""
+    rng = random.Random(seed)
+    study = f"{problem.variant}-study@{H200.key()}"
+    best = None
+    for n in range(30):
+        config = {"split": rng.choice(["fused", "chunked"]), "chunk_size": rng.choice([32, 64, 128]),
+                  "num_stages": rng.choice([1, 2, 3]), "threads": rng.choice([128, 256])}
+        latency = (0.8 + (0.5 if config["split"] == "fused" else 0) + 0.002 * config["chunk_size"]
+                   + 0.01 * config["num_stages"]) * rng.uniform(1.0, 1.05)
+        status = "pruned" if n % 7 == 3 else "mismatch" if n % 11 == 5 else "pass"
+        timed = status == "pass"
+        record = TrialRecord(
+            study, n, problem, config, status, H200, digest=f"{seed}{n:04d}", prediction={
+                "registers": 120 + n, "per_kernel": [{"name": "main", "registers": 120 + n}]},
+            compile_report=None if status == "pruned" else {"kernels": [
+                {"name": "main", "registers": 128 + n, "spill_stores": 0, "spill_loads": 0}]},
+            gate_errors={"uniform": {"o": 2e-3}} if status != "pruned" else None,
+            median_ms=latency if timed else None, p10_ms=latency * 0.98 if timed else None,
+            p90_ms=latency * 1.03 if timed else None, gpu_seconds=None if status == "pruned" else rng.uniform(2, 6),
+            finished_at=T0 + timedelta(minutes=n))
+        store.record_trial(record)
+        if timed and (best is None or latency < best.median_ms):
+            best = record
+    return best
+
+
+def record_winner(store: Store, problem: Problem, seed: int, later: list[tuple[Environment, float, float]]) -> None:
+    """Tune ``problem``, store its winner, then one re-measurement per (stack, median relative to the
+    winner's, relative spread)."""
+    best = tune_study(store, problem, seed)
+    w = store.write_winner(Winner(problem, H200, best.digest, best.config, best.median_ms, best.p10_ms, best.p90_ms,
+                                  best.gate_errors, best.study, best.number, updated_at=T0), "pass")
+    for day, (env, factor, spread) in enumerate(later, start=1):
+        median = w.median_ms * factor
+        store.add_measurement(Measurement(w.id, "pass", env, median, median * (1 - spread), median * (1 + spread),
+                                          {"uniform": {"o": 2e-3}}, measured_at=T0 + timedelta(days=day)))
+
+
+def calibrate(store: Store) -> None:
+    for i, (predicted, measured, spills) in enumerate([(96, 104, 0), (168, 160, 0), (200, 255, 64), (240, 232, 0)]):
+        store.add_calibration(CalibrationPoint(
+            "gdn", 128, 128, "bf16", {"chunk_size": 32 * (i + 1)}, f"cal{i}", predicted, 49152, predicted > 255,
+            measured, spills, 49152, False, "0.1.15", "12.8.93"))
+
+
+def build_db(path: Path, slowdown: bool) -> Path:
+    store = Store(path)
+    record_winner(store, SLOW, 1, [(H200, 1.005, 0.02), (UPGRADED, 1.3 if slowdown else 1.01, 0.02)])
+    record_winner(store, STEADY, 2, [(NEW_DRIVER, 1.01, 0.03), (NEW_DRIVER, 0.99, 0.03)])
+    calibrate(store)
+    store.close()
+    return path
+
+
+def write_vs_fla(path: Path) -> Path:
+    path.write_text(json.dumps([
+        {**{k: getattr(SLOW, k) for k in ("variant", "dk", "dv", "dtype", "batch", "seqlen", "heads")},
+         "ours_ms": 0.95, "fla_ms": 1.31, "floor_ms": 0.62}]))
+    return path
+
+
+def run_tune(*args):
+    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dash")
+    db = build_db(tmp / "results.db", slowdown=True)
+    out = tmp / "site"
+    done = run_tune("dashboard", "--db", str(db), "--out", str(out), "--vs-fla", str(write_vs_fla(tmp / "vs.json")))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_site_has_an_index_a_page_per_problem_and_the_model_page(site):
+    names = {p.name for p in site.iterdir()}
+    assert {"index.html", "style.css", "model.html", page_name(SLOW), page_name(STEADY)} <= names
+    for page in site.glob("*.html"):  # self-contained: nothing but local relative links
+        for url in re.findall(r'(?:src|href)="([^"]+)"', page.read_text()):
+            assert "://" not in url and not url.startswith("//"), (page.name, url)
+
+
+@pytest.mark.parametrize("slowdown, code", [(True, 1), (False, 0)])
+def test_dashboard_marks_a_slowdown_exactly_when_replay_exits_1(tmp_path, slowdown, code):
+    db = build_db(tmp_path / "r.db", slowdown=slowdown)
+    assert run_tune("dashboard", "--db", str(db), "--out", str(tmp_path / "site")).returncode == 0
+    marked = 'class="marker regressed"' in (tmp_path / "site" / page_name(SLOW)).read_text()
+    assert marked == slowdown
+    assert run_tune("regress", "--replay", "--db", str(db)).returncode == code
+
+
+def test_vs_fla_says_not_measured_without_the_file(tmp_path):
+    db = build_db(tmp_path / "r.db", slowdown=False)
+    out = tmp_path / "site"
+    assert run_tune("dashboard", "--db", str(db), "--out", str(out), "--vs-fla",
+                    str(tmp_path / "absent.json")).returncode == 0
+    assert "not measured" in (out / "index.html").read_text()
+    assert "not measured" in (out / page_name(SLOW)).read_text()
+    assert 'id="vs-fla"' in (out / "index.html").read_text() and "chart-fla" not in (out / "index.html").read_text()
+
+
+def test_a_malformed_vs_fla_is_a_one_line_error(tmp_path):
+    db = build_db(tmp_path / "r.db", slowdown=False)
+    bad = tmp_path / "vs.json"
+    bad.write_text(json.dumps([{"variant": "gdn"}]))
+    done = run_tune("dashboard", "--db", str(db), "--out", str(tmp_path / "site"), "--vs-fla", str(bad))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "entry 0 lacks dk" in done.stderr
+
+
+def test_parameter_effects_rank_what_a_wrong_choice_costs():
+    def timed(n, split, stages, ms):
+        return TrialRecord("s", n, SLOW, {"split": split, "num_stages": stages}, "pass", H200,
+                           median_ms=ms, p10_ms=ms, p90_ms=ms)
+    trials = [timed(0, "fused", 1, 2.0), timed(1, "chunked", 1, 1.0), timed(2, "chunked", 2, 1.1),
+              timed(3, "fused", 2, 2.4), TrialRecord("s", 4, SLOW, {"split": "fused", "num_stages": 3}, "nan", H200)]
+    (first, w1, per1), (second, w2, _) = parameter_effects(trials)
+    assert (first, second) == ("split", "num_stages")
+    assert w1 == pytest.approx(1.0) and w2 == pytest.approx(0.1)  # 2.0/1.0 - 1 and 1.1/1.0 - 1
+    assert per1 == {"fused": (2.0, 2), "chunked": (1.0, 2)}  # the failed trial is not timed
+
+
+@pytest.mark.parametrize("lo, hi, count, expected", [(0, 1, 5, [0, 0.2, 0.4, 0.6, 0.8, 1.0]),
+                                                     (0.93, 1.41, 3, [1.0, 1.2, 1.4]), (3, 3, 5, [3])])
+def test_axis_ticks_are_round_numbers_inside_the_range(lo, hi, count, expected):
+    assert nice_ticks(lo, hi, count) == pytest.approx(expected)
+
+
+needs_chromium = pytest.mark.skipif(chromium() is None, reason="Chromium is not installed "
+                                    "(apt-get install -y chromium); the browser tests need it")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with Browser() as b:
+        yield b
+
+
+def open_clean(browser, path: Path):
+    page = browser.open(path)
+    assert page.problems == [], page.problems
+    assert all(url.startswith("file://") for url in page.requested), page.requested
+    assert page.evaluate("getComputedStyle(document.body).margin") == "0px"  # style.css was applied
+    return page
+
+
+@needs_chromium
+def test_problem_page_marks_the_slowdown_and_the_upgrade_that_caused_it(site, browser):
+    page = open_clean(browser, site / page_name(SLOW))
+    count = "n => document.querySelectorAll(n).length"
+    assert page.evaluate(f"({count})('svg.chart-history')") == 1
+    markers = page.evaluate("[...document.querySelectorAll('svg.chart-history .marker.regressed')]"
+                            ".map(m => m.getBoundingClientRect().height > 0)")
+    assert markers == [True]  # one regression marker, rendered with a size
+    assert page.evaluate(f"({count})('svg.chart-history circle.point')") == 3
+    assert page.evaluate(f"({count})('svg.chart-history .reference-band')") == 1
+    change = page.evaluate("document.querySelector('svg.chart-history .stack-change').textContent")
+    assert "tilelang 0.1.16" in change and "tilelang 0.1.15 -> 0.1.16" in change
+    flagged = page.evaluate("[...document.querySelectorAll('#history tr.flagged')].map(r => r.textContent)")
+    assert len(flagged) == 1 and "regressed" in flagged[0] and "tilelang 0.1.15 -> 0.1.16" in flagged[0]
+    for chart in ("chart-convergence", "chart-convergence-gpu", "chart-parameters", "chart-fla"):
+        assert page.evaluate(f"({count})('svg.{chart} polyline, svg.{chart} rect.bar')") > 0, chart
+    assert page.evaluate("document.querySelector('#winners').textContent").count("main: ") == 1
+    width, height = png_size(page.screenshot(site.parent / "dashboard-regressed.png"))
+    assert width == 1280 and height > 900
+
+
+@needs_chromium
+def test_steady_page_has_no_regression_marker(site, browser):
+    page = open_clean(browser, site / page_name(STEADY))
+    assert page.evaluate("document.querySelectorAll('svg.chart-history circle.point').length") == 3
+    assert page.evaluate("document.querySelectorAll('.marker, tr.flagged').length") == 0
+    assert "driver 575.51.03" in page.evaluate("document.querySelector('svg.chart-history').textContent")
+    assert page.evaluate("document.querySelector('#vs-fla').textContent").count("not measured") == 1
+
+
+@needs_chromium
+def test_index_lists_both_problems_with_the_slowdown_flagged(site, browser):
+    page = open_clean(browser, site / "index.html")
+    rows = page.evaluate("[...document.querySelectorAll('#problems tbody tr')]"
+                         ".map(r => [r.className, r.querySelector('.badge').dataset.verdict])")
+    assert rows == [["flagged", "regressed"], ["", "steady"]]
+    assert page.evaluate("document.querySelectorAll('#problems svg.chart-sparkline').length") == 2
+    assert page.evaluate("document.querySelectorAll('svg.chart-fla rect.bar').length") == 3
+    links = page.evaluate("[...document.querySelectorAll('a')].map(a => a.getAttribute('href'))")
+    assert {page_name(SLOW), page_name(STEADY), "model.html"} <= set(links)
+    png_size(page.screenshot(site.parent / "dashboard-index.png"))
+
+
+@needs_chromium
+def test_model_page_rings_the_spill_miss(site, browser):
+    page = open_clean(browser, site / "model.html")
+    assert page.evaluate("document.querySelectorAll('svg.chart-calibration circle.calibration').length") == 4
+    assert page.evaluate("document.querySelectorAll('svg.chart-calibration circle.miss').length") == 1
+    assert "chunk_size=96" in page.evaluate("document.querySelector('#misses').textContent")
+    png_size(page.screenshot(site.parent / "dashboard-model.png"))

@@ -1,0 +1,153 @@
+"""`tune regress`: the noise rule, and the replay of a recorded history in a real SQLite file
+built through tuner.store (exit 1 on a slowdown or a gate failure, 0 otherwise, nothing written)."""
+import hashlib
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import datetime, timedelta
+
+import pytest
+
+from tuner import environment
+from tuner.environment import Environment
+from tuner.problem import Problem
+from tuner.regress import MIN_SHIFT, judge, judge_history
+from tuner.store import Measurement, Store, Winner
+
+H200 = Environment("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
+UPGRADED = replace(H200, tilelang="0.1.16")
+T0 = datetime(2026, 3, 1)
+
+
+def measured(median, p10, p90, env=H200, status="pass", day=0, winner_id=1, gate_errors=None):
+    return Measurement(winner_id, status, env, median, p10, p90, gate_errors, measured_at=T0 + timedelta(days=day))
+
+
+def run_tune(*args):
+    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def make_db(path, later: list[Measurement], variant="gdn"):
+    """A winner tuned at 1.00 ms [0.98, 1.03], then the measurements ``later`` of it."""
+    store = Store(path)
+    w = store.write_winner(Winner(Problem(variant, 128, 128), H200, "abc123", {"split": "chunked", "chunk_size": 64},
+                                  1.0, 0.98, 1.03, {"o": 1e-3}, "study", 7, updated_at=T0), "pass")
+    for m in later:
+        store.add_measurement(replace(m, winner_id=w.id))
+    store.close()
+    return w
+
+
+@pytest.mark.parametrize(
+    "new, kind",
+    [
+        pytest.param(measured(1.10, 1.08, 1.12), "regressed", id="bands-apart-10pct-slower"),
+        pytest.param(measured(1.10, 0.95, 1.25), "steady", id="10pct-slower-but-noisy"),
+        pytest.param(measured(1.02, 1.031, 1.04), "steady", id="bands-apart-below-floor"),
+        pytest.param(measured(0.90, 0.89, 0.91), "improved", id="bands-apart-faster"),
+        pytest.param(measured(1.0, 0.99, 1.01, status="mismatch"), "failed", id="gate-mismatch"),
+    ],
+)
+def test_noise_rule_uses_both_bands_and_a_floor(new, kind):
+    reference = measured(1.0, 0.98, 1.03)
+    verdict = judge(new, [reference])
+    assert verdict.kind == kind, verdict.reason
+    assert verdict.reference == reference
+
+
+def test_reference_is_the_fastest_earlier_pass_so_a_repeated_slowdown_stays_flagged():
+    history = [measured(1.0, 0.98, 1.03), measured(1.2, 1.18, 1.22, env=UPGRADED, day=1),
+               measured(1.2, 1.18, 1.22, env=UPGRADED, day=2), measured(0.5, 0.4, 0.6, status="nan", day=3),
+               measured(1.01, 0.99, 1.04, day=4)]
+    verdicts = judge_history(history)
+    assert [v.kind for v in verdicts] == ["first", "regressed", "regressed", "failed", "steady"]
+    assert verdicts[2].reference == history[0]
+    assert verdicts[1].changes == ("tilelang 0.1.15 -> 0.1.16",)
+    assert verdicts[4].changes == ()  # back on the old stack: judged against the same-stack reference
+
+
+def test_replay_exits_1_on_a_recorded_slowdown_and_names_the_cause(tmp_path):
+    db = tmp_path / "r.db"
+    make_db(db, [measured(1.01, 0.99, 1.04, day=1), measured(1.25, 1.22, 1.29, env=UPGRADED, day=2)])
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    out = run_tune("regress", "--replay", "--db", str(db))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "regressed" in out.stdout and "tilelang 0.1.15 -> 0.1.16" in out.stdout
+    assert "[p10 1.22, p90 1.29]" in out.stdout  # the spread behind the verdict is shown
+    assert "1 of 1 winners regressed" in out.stdout
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before  # a replay writes nothing
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        pytest.param([measured(1.02, 0.99, 1.05, env=UPGRADED, day=1)], id="upgrade-within-noise"),
+        pytest.param([measured(1.3, 1.25, 1.35, env=UPGRADED, day=1), measured(0.99, 0.97, 1.02, day=2)],
+                     id="slowdown-fixed-since"),
+        pytest.param([], id="only-the-tuning-measurement"),
+    ],
+)
+def test_replay_exits_0_without_a_slowdown(tmp_path, later):
+    db = tmp_path / "r.db"
+    make_db(db, later)
+    out = run_tune("regress", "--replay", "--db", str(db))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no regression among 1 winners" in out.stdout
+
+
+def test_replay_exits_1_when_the_latest_measurement_failed_the_gate(tmp_path):
+    db = tmp_path / "r.db"
+    make_db(db, [measured(None, None, None, status="mismatch", env=UPGRADED, day=1, gate_errors={"uniform": {"o": 0.31, "seqlen": 1000}})])
+    out = run_tune("regress", "--replay", "--db", str(db))
+    assert out.returncode == 1
+    assert "gate: mismatch (uniform.o=0.31, uniform.seqlen=1000)" in out.stdout
+
+
+def test_replay_judges_only_the_variants_asked_for(tmp_path):
+    db = tmp_path / "r.db"
+    make_db(db, [measured(1.25, 1.22, 1.29, day=1)], variant="gdn")
+    make_db(db, [measured(1.0, 0.98, 1.03, day=1)], variant="kda")
+    assert run_tune("regress", "--replay", "--db", str(db), "--variant", "kda").returncode == 0
+    assert run_tune("regress", "--replay", "--db", str(db), "--variant", "gdn").returncode == 1
+    assert run_tune("regress", "--replay", "--db", str(db)).returncode == 1
+
+
+def test_replay_of_a_missing_database_is_a_one_line_error(tmp_path):
+    out = run_tune("regress", "--replay", "--db", str(tmp_path / "absent.db"))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"tune: error: {tmp_path / 'absent.db'} does not exist"]
+
+
+@pytest.mark.skipif(environment.has_gpu(), reason="checks the message shown without a CUDA device")
+def test_without_a_gpu_regress_says_so_and_points_to_replay(tmp_path):
+    db = tmp_path / "r.db"
+    make_db(db, [])
+    out = run_tune("regress", "--db", str(db))
+    assert out.returncode == 2
+    assert "no CUDA device" in out.stderr and "--replay" in out.stderr
+    assert len(Store(db).history()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not environment.has_gpu(), reason="needs a CUDA device")
+def test_regress_re_times_a_real_winner_and_appends_to_its_history(tmp_path):
+    from tuner import space
+    from tuner.gate import gate_and_time
+    from tuner.render import render
+
+    problem = Problem("linear", 64, 64, batch=1, seqlen=1024, heads=4)
+    config = space.load("linear").default(problem)
+    tuned = gate_and_time(problem, config, timeout_s=300, device=0)
+    assert tuned.status == "pass", tuned.message
+    t = tuned.timing
+    env = environment.current(0)
+    db = tmp_path / "r.db"
+    store = Store(db)
+    w = store.write_winner(Winner(problem, env, render(problem, config).digest, config, t["median_ms"], t["p10_ms"],
+                                  t["p90_ms"], tuned.errors, "study", 0), "pass")
+    out = run_tune("regress", "--db", str(db))
+    assert out.returncode in (0, 1), out.stderr
+    history = store.history(w.id)
+    assert len(history) == 2 and history[-1].status == "pass" and history[-1].environment == env
+    verdict = judge(history[-1], history[:-1])
+    assert (out.returncode == 1) == verdict.flagged

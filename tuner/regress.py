@@ -1,0 +1,240 @@
+"""Regression watch: has a stored winner become slower, or stopped passing the gate, since it was tuned?
+
+``tune regress`` re-gates and re-times every stored winner of this machine's GPU on the current
+stack and appends each measurement to the winner's history; ``tune regress --replay`` judges the
+recorded history without a GPU (what CI runs). Both exit 1 when anything regressed.
+
+The rule (:func:`judge`): a measurement is compared with its *reference*, the fastest earlier
+measurement of the same winner that passed the gate (normally the one taken when it was tuned;
+a later, faster one once an upgrade made it faster, so a slowdown measured twice stays flagged).
+Every measurement carries its own spread, the 10th and 90th percentile of its repetitions. It
+
+- **failed** when it did not pass the gate;
+- **regressed** when its band lies wholly above the reference's (``p10 > reference p90``) *and* its
+  median is more than :data:`MIN_SHIFT` above the reference's: the spread says the change is not
+  noise, the floor keeps a very tight band from flagging a shift nobody would act on;
+- **improved** in the mirror case, **steady** otherwise, and **first** without a reference.
+
+A verdict names what changed between the two measurements (GPU, TileLang, CUDA, driver, torch)
+so the reader sees why, not just that.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from . import environment, variants
+from .environment import Environment
+from .errors import UserError
+from .store import Measurement, Store, Winner
+
+# Smallest relative change of the median that is flagged, however tight the bands are.
+MIN_SHIFT = 0.03
+GATE_TIMEOUT_S = 300.0
+VERDICTS = ("failed", "regressed", "improved", "steady", "first")
+FLAGGED = ("failed", "regressed")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The judgement of one measurement of a winner.
+
+    Args:
+        measurement (Measurement): the measurement judged.
+        reference (Measurement | None): what it was judged against; None for the first.
+        kind (str): one of :data:`VERDICTS`.
+        reason (str): the numbers behind the verdict, in words.
+        changes (tuple[str, ...]): what differs between the reference's stack and the measurement's,
+            e.g. ``("tilelang 0.1.15 -> 0.1.16",)``.
+    """
+
+    measurement: Measurement
+    reference: Measurement | None
+    kind: str
+    reason: str
+    changes: tuple[str, ...] = ()
+
+    @property
+    def flagged(self) -> bool:
+        """Whether this verdict makes ``tune regress`` exit 1."""
+        return self.kind in FLAGGED
+
+
+def stack_changes(before: Environment, after: Environment) -> tuple[str, ...]:
+    """The fields of two stacks that differ, as ``"name old -> new"``."""
+    return tuple(f"{name} {old} -> {new}" for name, old in before.as_dict().items()
+                 if old != (new := getattr(after, name)))
+
+
+def format_errors(errors: dict | None) -> str:
+    """The gate's errors in one line: nested regimes flattened, ``uniform.o=0.31, ...``."""
+    def flat(d: dict, prefix: str = ""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}={v:.3g}" if isinstance(v, float) else f"{prefix}{k}={v}"
+    return ", ".join(flat(errors or {}))
+
+
+def _timed(m: Measurement) -> bool:
+    return m.status == "pass" and None not in (m.median_ms, m.p10_ms, m.p90_ms)
+
+
+def reference_of(previous: Iterable[Measurement]) -> Measurement | None:
+    """The fastest earlier measurement that passed the gate, or None."""
+    return min((m for m in previous if _timed(m)), key=lambda m: m.median_ms, default=None)
+
+
+def judge(measurement: Measurement, previous: Iterable[Measurement]) -> Verdict:
+    """Judge ``measurement`` against the measurements of the same winner before it (module docstring).
+
+    Args:
+        measurement (Measurement): the new measurement.
+        previous (Iterable[Measurement]): the winner's earlier measurements, any order.
+
+    Returns:
+        Verdict
+    """
+    ref = reference_of(previous)
+    changes = stack_changes(ref.environment, measurement.environment) if ref else ()
+    if measurement.status != "pass":
+        errors = format_errors(measurement.gate_errors)
+        return Verdict(measurement, ref, "failed", f"gate: {measurement.status}" + (f" ({errors})" if errors else ""),
+                       changes)
+    if ref is None:
+        return Verdict(measurement, None, "first", "nothing earlier to compare with")
+    m = measurement
+    shift = m.median_ms / ref.median_ms - 1
+    numbers = (f"median {m.median_ms:.4g} ms [p10 {m.p10_ms:.4g}, p90 {m.p90_ms:.4g}] against "
+               f"{ref.median_ms:.4g} ms [p10 {ref.p10_ms:.4g}, p90 {ref.p90_ms:.4g}] ({shift:+.1%})")
+    if m.p10_ms > ref.p90_ms and shift > MIN_SHIFT:
+        return Verdict(m, ref, "regressed", f"slower beyond the noise: {numbers}", changes)
+    if m.p90_ms < ref.p10_ms and shift < -MIN_SHIFT:
+        return Verdict(m, ref, "improved", f"faster beyond the noise: {numbers}", changes)
+    return Verdict(m, ref, "steady", f"within the noise: {numbers}", changes)
+
+
+def judge_history(history: list[Measurement]) -> list[Verdict]:
+    """Each measurement of one winner's history (oldest first) judged against those before it."""
+    return [judge(m, history[:i]) for i, m in enumerate(history)]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A winner and the verdict on its latest measurement (None: nothing recorded for it)."""
+
+    winner: Winner
+    verdict: Verdict | None
+    note: str = ""
+
+    @property
+    def flagged(self) -> bool:
+        return self.verdict is not None and self.verdict.flagged
+
+
+def _selected(store: Store, names: list[str] | None) -> list[Winner]:
+    for name in names or ():
+        variants.get(name)
+    return [w for w in store.winners() if not names or w.problem.variant in names]
+
+
+def replay(store: Store, names: list[str] | None = None) -> list[Outcome]:
+    """Judge each selected winner's latest recorded measurement against the earlier ones.
+
+    Args:
+        store (Store): the results database (opened read-only is enough; nothing is written).
+        names (list[str]): limit to these variants. Default: None (all).
+
+    Returns:
+        list[Outcome]: one per winner, in the store's order.
+    """
+    outcomes = []
+    for w in _selected(store, names):
+        history = store.history(w.id)
+        verdict = judge(history[-1], history[:-1]) if history else None
+        outcomes.append(Outcome(w, verdict, "" if history else "no recorded measurement"))
+    return outcomes
+
+
+def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) -> list[Outcome]:
+    """Re-gate and re-time the selected winners of this GPU, record and judge each measurement.
+
+    Winners tuned on another GPU model are listed with a note and not timed: their latency says
+    nothing about this one. A winner whose config now renders a different kernel (the template
+    changed) is timed as it renders today, with a note saying so.
+
+    Args:
+        store (Store): the results database, writable.
+        names (list[str]): limit to these variants. Default: None (all).
+        device (int): CUDA device index. Default: 0.
+
+    Returns:
+        list[Outcome]: one per winner, in the store's order.
+    """
+    if not environment.has_gpu():
+        raise UserError("no CUDA device: `tune regress` re-times the winners on the GPU; "
+                        "`tune regress --replay` judges the recorded history without one")
+    from .gate import gate_and_time
+    from .render import render
+
+    env = environment.current(device)
+    outcomes = []
+    for w in _selected(store, names):
+        if w.environment.gpu != env.gpu:
+            outcomes.append(Outcome(w, None, f"tuned on {w.environment.gpu}, not timed on {env.gpu}"))
+            continue
+        digest = render(w.problem, w.config).digest
+        note = "" if digest == w.digest else f"template changed: kernel {w.digest} now renders as {digest}"
+        previous = store.history(w.id)
+        result = gate_and_time(w.problem, w.config, timeout_s=GATE_TIMEOUT_S, device=device)
+        timing = (result.timing or {}) if result.status == "pass" else {}
+        measurement = store.add_measurement(Measurement(
+            winner_id=w.id, status=result.status, environment=env, gate_errors=result.errors,
+            median_ms=timing.get("median_ms"), p10_ms=timing.get("p10_ms"), p90_ms=timing.get("p90_ms")))
+        outcomes.append(Outcome(w, judge(measurement, previous), note))
+    return outcomes
+
+
+def winner_label(w: Winner) -> str:
+    """``gdn k128 v128 bf16 B4 T8192 H16`` on ``NVIDIA H200``: a winner in one line."""
+    p = w.problem
+    return f"{p.variant} k{p.dk} v{p.dv} {p.dtype} B{p.batch} T{p.seqlen} H{p.heads}"
+
+
+def print_outcomes(outcomes: list[Outcome], replayed: bool) -> None:
+    """The outcomes as a table, flagged rows first, and a one-line conclusion."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=200)
+    table = Table(title="recorded history, latest measurement judged" if replayed else "re-measured winners")
+    for column in ("winner", "gpu", "verdict", "why", "stack changes", "note"):
+        table.add_column(column)
+    styles = {"failed": "bold red", "regressed": "bold red", "improved": "green"}
+    for o in sorted(outcomes, key=lambda o: not o.flagged):
+        v = o.verdict
+        kind = v.kind if v else "-"
+        shown = f"[{styles[kind]}]{kind}[/]" if kind in styles else kind
+        cells = (winner_label(o.winner), o.winner.environment.gpu, v.reason if v else "",
+                 ", ".join(v.changes) if v else "", o.note)
+        label, gpu, reason, changes, note = map(escape, cells)  # reasons hold "[p10 ..., p90 ...]"
+        table.add_row(label, gpu, shown, reason, changes, note)
+    console.print(table)
+    flagged = sum(o.flagged for o in outcomes)
+    console.print(f"{flagged} of {len(outcomes)} winners regressed" if flagged
+                  else f"no regression among {len(outcomes)} winners")
+
+
+def regress_main(db: str, names: list[str] | None = None, *, replay_only: bool = False, device: int = 0) -> int:
+    """``tune regress``: re-measure (or with ``replay_only`` just judge) and print; exit 1 on a regression."""
+    if replay_only:
+        store = Store(db, readonly=True)
+        outcomes = replay(store, names)
+    else:
+        store = Store(db)
+        outcomes = remeasure(store, names, device=device)
+    store.close()
+    print_outcomes(outcomes, replay_only)
+    return 1 if any(o.flagged for o in outcomes) else 0
