@@ -1,0 +1,221 @@
+"""The tuning loop against real processes and real SQLite files: a compile-only study of
+``linear`` at dk=64, killed with SIGKILL and resumed; bad input; a locked database."""
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+
+from tuner import space
+from tuner.problem import Problem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tune_cmd(db, *args):
+    return [sys.executable, "-m", "tuner.cli", "run", "--variant", "linear", "--dk", "64", "--db", str(db), *args]
+
+
+def run_tune(db, *args, env=None, timeout=600):
+    return subprocess.run(tune_cmd(db, *args), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+def query(db, sql):
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        return con.execute(sql).fetchall()
+    except sqlite3.OperationalError:  # tables not created yet
+        return []
+    finally:
+        con.close()
+
+
+def rows(db):
+    return query(db, "SELECT id, study, number, status, digest, config, repeat_of, reason FROM tuner_trials ORDER BY id")
+
+
+def optuna_states(db):
+    return dict(query(db, "SELECT number, state FROM trials"))
+
+
+@pytest.fixture
+def cache_env(tmp_path):
+    """A fresh kernel cache, so the first run really compiles."""
+    return {**os.environ, "LINATTN_CACHE": str(tmp_path / "cache")}
+
+
+@pytest.mark.slow
+def test_compile_only_study_survives_kill_9_and_resumes_without_loss_or_duplicates(tmp_path, cache_env):
+    db = tmp_path / "results.db"
+    proc = subprocess.Popen(tune_cmd(db, "--trials", "5", "--jobs", "1"), cwd=ROOT, env=cache_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    # Kill once a row is recorded and another trial is in flight (RUNNING in Optuna).
+    while time.monotonic() < deadline:
+        if rows(db) and "RUNNING" in optuna_states(db).values():
+            break
+        assert proc.poll() is None, "the tuner ended before it could be killed"
+        time.sleep(0.2)
+    else:
+        pytest.fail("no trial was recorded within 300 s")
+    os.killpg(proc.pid, signal.SIGKILL)  # the tuner and its compile processes, as kill -9 would
+    proc.wait()
+    before = rows(db)
+    running_at_kill = [n for n, s in optuna_states(db).items() if s == "RUNNING"]
+    assert before and running_at_kill
+
+    done = run_tune(db, "--trials", "5", "--jobs", "1", env=cache_env)
+    assert done.returncode == 0, done.stderr
+    after = rows(db)
+    assert after[:len(before)] == before  # every earlier row kept, unchanged
+    assert len({(r[1], r[2]) for r in after}) == len(after)  # never two rows for one trial
+    judged = [r for r in after if r[6] is None and r[4] is not None]
+    assert len({r[4] for r in judged}) == len(judged)  # no kernel judged twice
+    states = optuna_states(db)
+    assert "RUNNING" not in states.values()
+    finished = {n for n, s in states.items() if s in ("COMPLETE", "PRUNED")}
+    assert finished == {r[2] for r in after} and len(finished) == 5  # one row per judged trial
+    study = optuna.load_study(study_name=after[0][1], storage=f"sqlite:///{db}")
+    recorded = {r[2] for r in after}
+    for n in running_at_kill:  # a trial lost with the process: settled from its row, or failed and re-run
+        if n in recorded and n in {r[2] for r in before}:
+            assert states[n] in ("COMPLETE", "PRUNED")
+        else:
+            assert states[n] == "FAIL"
+            lost = study.trials[n].params  # re-proposed: judged, or first in line once the budget allows
+            assert any(t.system_attrs.get("fixed_params", t.params) == lost and t.number > n
+                       and (t.number in recorded or t.state.name == "WAITING") for t in study.trials)
+    assert {r[3] for r in after} <= {"constraint", "pruned", "compile_error", "screen", "compiled"}
+    default = space.load("linear").default(Problem("linear", 64, 64))
+    assert any(json.loads(r[5]) == default and r[3] == "compiled" for r in after)  # trial 0 is the default
+    assert "latency needs a GPU" in done.stdout
+    (study,) = query(db, "SELECT study_name FROM studies")  # Optuna's tables beside ours
+    assert study[0] == after[0][1] and study[0].startswith("linear-k64-v64-bf16-b4-t8192-h16@none-")
+
+    # The same command again: the study is complete, nothing new is judged or recorded. While
+    # another process holds the database locked, it waits and then succeeds.
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(db), "3"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    start = time.monotonic()
+    again = run_tune(db, "--trials", "5", env=cache_env)
+    holder.wait()
+    assert again.returncode == 0, again.stderr
+    assert time.monotonic() - start > 2.0
+    assert rows(db) == after
+
+
+LOCK_HOLDER = """
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+con.execute("COMMIT")
+"""
+
+
+def one_error_line(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("tune: error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--variant", "nope", "--dk", "64"], "unknown variant 'nope'"),
+    (["--variant", "linear", "--dk", "0"], "positive integer"),
+    (["--variant", "linear", "--dk", "96"], "dk=96 is not supported"),
+    (["--variant", "linear", "--dk", "64", "--trials", "0"], "positive integer"),
+], ids=["unknown-variant", "dk-0", "dk-96", "trials-0"])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, says):
+    result = subprocess.run([sys.executable, "-m", "tuner.cli", "run", *args, "--db", str(tmp_path / "r.db")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert says in one_error_line(result)
+    assert not (tmp_path / "r.db").exists()
+
+
+@pytest.mark.parametrize("content", [b"not a database at all\n" * 50, b"SQLite format 3\x00" + b"\x00" * 200],
+                         ids=["foreign", "truncated-sqlite"])
+def test_an_unusable_database_exits_2_and_is_left_byte_identical(tmp_path, content):
+    db = tmp_path / "results.db"
+    db.write_bytes(content)
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    line = one_error_line(run_tune(db, "--trials", "1", timeout=120))
+    assert str(db) in line and "left untouched" in line
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert sorted(os.listdir(tmp_path)) == ["results.db"]  # no journal or WAL beside it either
+
+
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "torch_forward.py")
+SMALL = Problem("linear", 64, 64, batch=1, seqlen=128, heads=1)
+# What the hand-written module does when the gate runs it for each config.
+BEHAVIOURS = [(space.load("linear").complete(SMALL, change), behaviour) for change, behaviour in (
+    ({"num_stages": 2}, "hang"), ({"num_stages": 1}, "nan"), ({"num_stages": 0}, "correct"))]
+
+
+def fixture_gate(problem, config, *, timeout_s, device):
+    """The real gate (child process, watchdog) on the hand-written CPU module instead of the kernel."""
+    from tuner.gate import gate_and_time
+
+    behaviour = next(b for c, b in BEHAVIOURS if c == config)
+    with open(FIXTURE) as f:
+        source = f.read().replace('BEHAVIOUR = "correct"', f'BEHAVIOUR = "{behaviour}"').replace(
+            'VARIANT = "decay"', 'VARIANT = "linear"')
+    return gate_and_time(problem, config, source=source, timeout_s=15, device=device, seqlens=(64,), batch=1,
+                         heads=1, seeds=(0,), rep=3, warmup_ms=1)
+
+
+def enqueue(db, problem, configs):
+    """Create the study tune() will resume, with these configs first in line."""
+    from tuner import environment, search
+
+    study = optuna.create_study(storage=f"sqlite:///{db}", direction="minimize",
+                                study_name=search.study_name(problem, environment.current()))
+    for config in configs:
+        study.enqueue_trial(config)
+    return study.study_name
+
+
+@pytest.mark.slow
+def test_a_hang_and_a_nan_are_recorded_and_the_study_carries_on_to_a_winner(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    db = tmp_path / "results.db"
+    name = enqueue(db, SMALL, [c for c, _ in BEHAVIOURS])
+    summary = search.tune(SMALL, trials=3, db=str(db), jobs=2, progress=False, gate=fixture_gate)
+
+    by_stages = {r.config["num_stages"]: r for r in Store(db).trials()}
+    hang, nan, good = (by_stages[c["num_stages"]] for c, _ in BEHAVIOURS)
+    assert (hang.status, nan.status, good.status) == ("hang", "nan", "pass")
+    assert 15 <= hang.gpu_seconds < 60  # the watchdog killed it
+    assert good.median_ms > 0 and good.p10_ms <= good.median_ms <= good.p90_ms
+    states = {t.number: t.state.name for t in optuna.load_study(study_name=name, storage=f"sqlite:///{db}").trials}
+    assert states == {hang.number: "PRUNED", nan.number: "PRUNED", good.number: "COMPLETE"}
+    (winner,) = Store(db).winners()  # the one config that passed, with its gate errors
+    assert winner.config == good.config and winner.median_ms == good.median_ms and winner.gate_errors
+    assert summary.winner.number == good.number and summary.counts["hang"] == 1
+
+
+@pytest.mark.slow
+def test_compile_failures_are_recorded_and_never_gated(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))  # the compile processes find no nvcc
+    db = tmp_path / "results.db"
+    enqueue(db, SMALL, [c for c, _ in BEHAVIOURS[:2]])
+    gated = []
+    summary = search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False,
+                          gate=lambda *a, **k: gated.append(a))
+    records = Store(db).trials()
+    assert [r.status for r in records] == ["compile_error"] * 2 and "nvcc" in records[0].reason
+    assert gated == [] and summary.winner is None and Store(db).winners() == []
