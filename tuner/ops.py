@@ -34,10 +34,10 @@ def _check(variant: str, q, k, v, g, beta, initial_state) -> Problem:
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise InputError(f"{name} must have shape [B, T, H, D], got {tuple(t.shape)}")
-        if not t.is_cuda:
-            raise InputError(f"{name} must be on a CUDA device, got {t.device}")
         if t.dtype not in _DTYPES:
             raise InputError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if not t.is_cuda:
+            raise InputError(f"{name} must be on a CUDA device, got {t.device}")
         if torch.is_grad_enabled() and t.requires_grad:
             raise InputError(f"{name} requires grad: tuner.ops are forward-only kernels")
     B, T, H, DK = q.shape
@@ -94,7 +94,7 @@ def _run(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, ou
 
 def _unsupported(**options):
     for name, value in options.items():
-        if value not in (None, False):
+        if value is not None and value is not False:
             raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
 
 
