@@ -1,0 +1,57 @@
+"""Gated DeltaNet templates (templates/gdn.py.j2, templates/delta.py.j2, search_spaces/gdn.yaml).
+
+CPU: the defaults of both splits compile for sm_90a at DK = DV = 64 and 128 without spills (ptxas)
+and without a screen rejection (tuner.screen: a barrier inside a thread-index branch that fewer
+threads enter than it waits for, seed 000's deadlock); every placement changes the generated code;
+a constraint-breaking config is refused before anything is rendered. GPU: forward() against the
+fp64 oracle.
+"""
+from __future__ import annotations
+
+import pytest
+from template_checks import assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors, rendered_config
+
+from tuner import render as rendering
+from tuner import space
+from tuner.compile import load_kernels
+from tuner.errors import ConstraintError
+from tuner.problem import Problem
+
+KERNELS = {"fused": ["fused"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"]}
+PLACEMENTS = ("system_in", "wu_in", "decay_in", "qk_in")
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("split", ["fused", "chunked"])
+def test_default_compiles_without_spills_or_screen_rejection(split, dim, tmp_path):
+    assert_compiles_clean(rendered_config("gdn", dim, split=split), KERNELS[split], tmp_path)
+
+
+def test_every_placement_is_tested():
+    assert {name for name in space.load("gdn").params if name.endswith("_in")} == set(PLACEMENTS)
+
+
+@pytest.mark.parametrize("split", ["fused", "chunked"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_placement_changes_the_code(split, placement):
+    assert_every_value_changes_source("gdn", 128, placement, split=split)
+
+
+def test_constraint_breaking_config_refused_before_rendering(monkeypatch):
+    def no_render():
+        raise AssertionError("the template was loaded for a refused config")
+
+    monkeypatch.setattr(rendering, "environment", no_render)
+    problem = Problem("gdn", 64, 64, "bf16")
+    with pytest.raises(ConstraintError, match="block_dv must divide DV"):
+        rendering.render(problem, {**space.load("gdn").default(problem), "block_dv": 128})
+
+
+@cuda
+@pytest.mark.parametrize("split", ["fused", "chunked"])
+def test_forward_matches_fp64_oracle(split):
+    rendered = rendered_config("gdn", 64, split=split)
+    module, compiled = load_kernels(rendered)
+    # T a multiple of C, a tail, a tail with an initial state, and strong decay.
+    for seqlen, regime in ((128, "default"), (200, "default"), (77, "initial_state"), (150, "alpha0.5")):
+        oracle_errors(module, compiled, rendered, regime, seqlen)
