@@ -30,6 +30,18 @@ def _positive(text: str) -> int:
     return n
 
 
+def _gpu_list(text: str) -> str | list[int]:
+    if text == "all":
+        return text
+    try:
+        devices = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'all' or device indices like 0,1, got {text!r}") from None
+    if min(devices) < 0 or len(set(devices)) != len(devices):
+        raise argparse.ArgumentTypeError(f"expected distinct device indices >= 0, got {text!r}")
+    return devices
+
+
 def _add_problem(p: argparse.ArgumentParser, shape: bool = True) -> None:
     g = p.add_argument_group("problem")
     g.add_argument("--variant", required=True, metavar="V",
@@ -69,9 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--trials", type=_positive, metavar="N", help="number of trials (default 40)")
     budget.add_argument("--timeout", type=_positive, metavar="S", help="stop starting trials after S seconds")
     _add_db(run)
-    run.add_argument("--storage", metavar="URL", help="Optuna storage URL (default: sqlite:///<db>)")
-    run.add_argument("--jobs", type=_positive, default=2, metavar="J", help="CPU compile processes (default 2)")
-    run.add_argument("--gpu", type=int, default=0, metavar="ID", help="CUDA device index (default 0)")
+    run.add_argument("--storage", metavar="URL",
+                     help="database URL shared by workers on several hosts, e.g. postgresql://user:pw@host/db: "
+                          "the study and the results live there instead of --db")
+    run.add_argument("--jobs", type=_positive, default=2, metavar="J",
+                     help="CPU compile processes, per worker (default 2)")
+    device = run.add_mutually_exclusive_group()
+    # default None, not 0: argparse lets an option given at its default pass as "not given".
+    device.add_argument("--gpu", type=int, metavar="ID", help="CUDA device index (default 0)")
+    device.add_argument("--gpus", type=_gpu_list, metavar="all|I,J,...",
+                        help="one worker process per CUDA device, all on the same study (needs CUDA devices)")
     run.add_argument("--register-budget", type=_positive, default=255, metavar="R",
                      help="prune configs predicted above R registers per thread (default 255)")
 

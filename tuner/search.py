@@ -12,8 +12,15 @@ For each proposed config, cheapest check first:
 The study lives in the results database beside our tables, named after the problem and the
 stack (:func:`study_name`), so re-running the same command resumes it: trials a killed run left
 RUNNING are settled from their recorded row or failed and re-proposed. ``trials`` is the total
-number of judged trials the study should hold. Outcomes reach Optuna as follows: ``pass`` is
-COMPLETE with the median latency (ms) as the value to minimise; every other outcome is PRUNED,
+number of judged trials the study should hold, over all its workers.
+
+Several workers may run one study at once (one per GPU, :func:`tune_on_gpus`, or on several
+hosts sharing a PostgreSQL ``storage``): Optuna's storage hands each trial to one worker, a
+kernel is judged by the trial that claims it first (``tuner_claims``) while other trials that
+propose it wait for that outcome, and each worker fails and re-proposes the trials of workers
+that died (on this host at once, elsewhere once their heartbeat is ``GRACE_S`` old).
+
+Outcomes reach Optuna as follows: ``pass`` is COMPLETE with the median latency (ms) as the value to minimise; every other outcome is PRUNED,
 infeasible ones with a positive constraint so TPE steers away from them (``compiled`` is
 feasible: judged, just not timed); FAIL only marks a trial whose process was lost.
 """
@@ -23,12 +30,15 @@ import concurrent.futures as cf
 import importlib.util
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import warnings
 import zlib
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import optuna
@@ -46,6 +56,8 @@ GATE_TIMEOUT_S = 300.0
 # A RUNNING trial whose worker has not beaten for GRACE_S is failed by the other workers.
 HEARTBEAT_S = 30
 GRACE_S = 120
+# How often a trial waiting for another worker's judgement of the same kernel looks for it.
+WAIT_POLL_S = 2.0
 # Outcomes that mean "this config cannot work", and the constraint that tells TPE so.
 _INFEASIBLE = {"constraint": "space", "pruned": "registers", "compile_error": "kernel", "screen": "kernel",
                "hang": "kernel", "nan": "kernel", "mismatch": "kernel", "crash": "kernel"}
@@ -110,8 +122,9 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         problem (Problem): what to tune.
         trials (int): total judged trials the study should hold. Default: 40 (unless ``timeout``).
         timeout (float): stop proposing configs after this many seconds. Default: None.
-        db (str): the results database (path or URL); also the study's storage by default.
-        storage (str): an Optuna storage URL for the study, shared by several workers. Default: None.
+        db (str): the results database (path or URL) and the study's storage, unless ``storage``.
+        storage (str): a database URL (e.g. ``postgresql://...``) shared by several workers: the
+            study and the results both live there, in place of ``db``. Default: None.
         jobs (int): compile processes. Default: 2.
         gpu (int): CUDA device index. Default: 0.
         register_budget (int): prune configs predicted to need more registers per thread. Default: 255.
@@ -127,7 +140,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
     for label, value in (("trials", trials), ("timeout", timeout), ("jobs", jobs), ("register-budget", register_budget)):
         if value is not None and value < 1:
             raise UserError(f"--{label} must be a positive number, got {value}")
-    store = Store(db)  # first: a database that cannot be used fails before any work
+    store = Store(storage or db)  # first: a database that cannot be used fails before any work
     if gate is None and environment.has_gpu():
         _require("tuner.gate", "gating and timing")
         from .gate import gate_and_time as gate
@@ -137,18 +150,96 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         # Heartbeats, group sampling and fail_stale_trials are used on purpose (with ask/tell).
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-        study = _open_study(problem, env, storage or store.url, store)
+        study = _open_study(problem, env, store)
         tuner = _Tuner(problem, env, store, study, jobs=jobs, gpu=gpu, budget=register_budget, gate=gate)
         tuner.run(trials, timeout, progress)
         return tuner.summary()
 
 
 def tune_main(problem: Problem, args) -> int:
-    """``tune run``: :func:`tune` with the CLI's arguments; prints the summary; the exit code."""
+    """``tune run``: :func:`tune` with the CLI's arguments, or one worker per GPU with ``--gpus``;
+    prints the summary; the exit code."""
+    if args.gpus is not None:
+        return tune_on_gpus(problem, args, select_gpus(args.gpus))
     summary = tune(problem, trials=args.trials, timeout=args.timeout, db=args.db, storage=args.storage,
-                   jobs=args.jobs, gpu=args.gpu, register_budget=args.register_budget)
+                   jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget)
     print_summary(summary)
     return 0
+
+
+def select_gpus(wanted: str | list[int]) -> list[int]:
+    """The CUDA device indices of ``--gpus`` ("all" or a list), checked against what torch sees.
+
+    Compile-only tuning needs no GPU and is refused here: its parallelism is ``--jobs``, or
+    several ``tune run`` processes on one ``--storage``.
+    """
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"--gpus needs CUDA devices and torch {torch.__version__} sees none "
+                        f"(built for CUDA {torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); without a GPU run `tune run` "
+                        "without --gpus, or several of them on one --storage")
+    names = [torch.cuda.get_device_name(i) for i in range(count)]
+    seen = ", ".join(f"{i}: {name}" for i, name in enumerate(names))
+    devices = list(range(count)) if wanted == "all" else wanted
+    missing = [i for i in devices if i >= count]
+    if missing:
+        raise UserError(f"--gpus {','.join(map(str, missing))}: no such device; torch sees {seen}")
+    if len({names[i] for i in devices}) > 1:
+        raise UserError(f"--gpus mixes GPU models ({seen}): each model is its own study, tune them separately")
+    return devices
+
+
+def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
+    """One ``tune run`` worker process per CUDA device in ``devices``, all on one study.
+
+    Each worker sees only its device (``CUDA_VISIBLE_DEVICES``) and writes its output to
+    ``<db>.gpu<i>.log``. Ctrl-C is passed on to every worker, which gives back its running
+    trials; the summary printed at the end is the study's, over all workers.
+
+    Returns:
+        int: 0 when every worker succeeded, else the first failing worker's exit code.
+    """
+    store = Store(args.storage or args.db)
+    env = environment.current(devices[0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        name = _open_study(problem, env, store).study_name  # created once, before the workers race to
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
+    command = [sys.executable, "-m", "tuner.cli", "run", "--variant", problem.variant,
+               *(f"--{k}={v}" for k, v in problem.as_dict().items() if k != "variant"),
+               *(["--storage", args.storage] if args.storage else ["--db", args.db]),
+               "--jobs", str(args.jobs), "--register-budget", str(args.register_budget), "--gpu", "0"]
+    for option, value in (("--trials", args.trials), ("--timeout", args.timeout)):
+        if value is not None:
+            command += [option, str(value)]
+    workers = []
+    try:
+        for device in devices:
+            log = f"{_log_base(store)}.gpu{device}.log"
+            with open(log, "w") as out:  # the child keeps its own descriptor
+                # Its own session: a Ctrl-C reaches the workers once, from here, not also from the terminal.
+                workers.append(subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, "CUDA_VISIBLE_DEVICES": physical[device]}))
+            print(f"tune: worker {workers[-1].pid} on GPU {device} ({env.gpu}), log {log}")
+        codes = [w.wait() for w in workers]
+    except KeyboardInterrupt:
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGINT)
+        for w in workers:
+            w.wait()
+        print_summary(summarise(problem, store, name, gated=True))
+        raise
+    print_summary(summarise(problem, store, name, gated=True))
+    failed = [(device, code) for device, code in zip(devices, codes) if code != 0]
+    for device, code in failed:
+        print(f"tune: the worker on GPU {device} exited with {code}; see its log", file=sys.stderr)
+    return failed[0][1] if failed else 0
 
 
 def _require(module: str, purpose: str) -> None:
@@ -156,21 +247,28 @@ def _require(module: str, purpose: str) -> None:
         raise UserError(f"{module} is not available, so {purpose} cannot run")
 
 
-def _open_study(problem: Problem, env: Environment, url: str, store: Store) -> optuna.Study:
-    engine_kwargs = {"connect_args": {"timeout": store.busy_timeout_s}} if url.startswith("sqlite") else {}
+def _open_study(problem: Problem, env: Environment, store: Store) -> optuna.Study:
+    """The study in ``store``'s database, created with the template's default config first in
+    line when it is new."""
+    engine_kwargs = {"connect_args": {"timeout": store.busy_timeout_s}} if store.path is not None else {}
     name = study_name(problem, env)
-    storage = optuna.storages.RDBStorage(
-        url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-        heartbeat_stale_trial_callback=lambda study, trial: _Tuner.rerun(study, trial, store))
-    # Seeded by the study and how far it got, so a resumed run does not replay its first samples.
-    done = 0
-    if name in optuna.study.get_all_study_names(storage):
-        done = len(optuna.load_study(study_name=name, storage=storage).trials)
-    seed = zlib.crc32(f"{name}/{done}".encode())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(multivariate=True, group=True, seed=seed)
-    study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
-                                sampler=sampler, load_if_exists=True)
+    with store.schema_lock():  # Optuna creates its tables, and a new study, without guarding against a race
+        storage = optuna.storages.RDBStorage(
+            store.url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+            heartbeat_stale_trial_callback=lambda study, trial: _Tuner.rerun(study, trial, store))
+        # Seeded by the study, how far it got and the worker, so neither a resumed run nor a
+        # concurrent worker replays the same samples.
+        done = 0
+        if name in optuna.study.get_all_study_names(storage):
+            done = len(optuna.load_study(study_name=name, storage=storage).trials)
+        seed = zlib.crc32(f"{name}/{done}/{_worker()}".encode())
+        # constant_liar: configs other workers are judging count as bad, so TPE looks elsewhere.
+        sampler = optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed)
+        study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
+                                    sampler=sampler, load_if_exists=True)
+        if not study.trials:
+            study.enqueue_trial(spaces.load(problem.variant).default(problem))
     for key, value in {**problem.as_dict(), **env.as_dict()}.items():
         study.set_user_attr(key, value)
     return study
@@ -203,13 +301,14 @@ class _Tuner:
         self.jobs, self.gpu, self.budget, self.gate = jobs, gpu, budget, gate
         self.model = _model()
         rows = store.trials(study.study_name)
-        self.judged = {r.digest: r for r in rows if r.digest and r.repeat_of is None and r.status != "constraint"}
+        self.judged = {r.digest: r for r in rows if _is_judgement(r)}
         self.counts = Counter(r.status for r in rows)
         self.in_flight: dict[int, _Candidate] = {}
-        self.waiting_on: dict[str, list[_Candidate]] = {}  # digest -> repeats of a kernel in flight
+        # digest -> repeats of a kernel that a trial (this worker's or another's) is judging
+        self.waiting_on: dict[str, list[_Candidate]] = {}
         self.gpu_queue: deque[_Candidate] = deque()
         self.breaks: Counter = Counter()  # digest -> compile pools it was in when they died
-        self.compile_log = (store.path or os.path.abspath("results")) + ".compile.log"
+        self.compile_log = _log_base(store) + ".compile.log"
 
     # ---- recovery
 
@@ -220,27 +319,35 @@ class _Tuner:
             study.enqueue_trial(trial.params)
 
     def recover(self) -> None:
-        """Settle trials left RUNNING by a process of this host that is gone."""
-        rows = {r.number: r for r in self.store.trials(self.study.study_name)}
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if not _is_dead_here(t.user_attrs.get("worker")):
+        """Settle trials left RUNNING by a process of this host that is gone, and fail those
+        whose heartbeat stopped. Other workers may be settling the same trials: whichever gets
+        to a trial first settles it."""
+        lost = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if _is_dead_here(t.user_attrs.get("worker"))]
+        rows = {r.number: r for r in self.store.trials(self.study.study_name)} if lost else {}
+        for t in lost:
+            if t.number not in rows:
+                self._abandon(t._trial_id, t.params)
                 continue
-            if t.number in rows:  # killed between recording the row and telling Optuna
-                self._tell(optuna.Trial(self.study, t._trial_id), rows[t.number])
-            else:
-                self._abandon(t.number, t.params)
+            try:  # killed between recording the row and telling Optuna
+                self._tell(optuna.Trial(self.study, t._trial_id), rows[t.number], skip_if_finished=True)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # told by another worker meanwhile
         optuna.storages.fail_stale_trials(self.study)
 
-    def _abandon(self, number: int, params: dict) -> None:
-        self.study.tell(number, state=TrialState.FAIL)
-        self.study.enqueue_trial(params)
+    def _abandon(self, trial_id: int, params: dict) -> None:
+        """Fail a trial whose outcome is lost and re-propose its config, unless another worker
+        failed it first (and so re-proposed it)."""
+        try:
+            failed = self.study._storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return
+        if failed:
+            self.study.enqueue_trial(params)
 
     # ---- the loop
 
     def run(self, trials: int | None, timeout: float | None, progress: bool) -> None:
-        self.recover()
-        if not self.study.trials:
-            self.study.enqueue_trial(self.space.default(self.problem))
         deadline = None if timeout is None else time.monotonic() + timeout
         context = multiprocessing.get_context("spawn")  # no CUDA state or torch threads forked
         pool = self._compile_pool(context)
@@ -250,24 +357,30 @@ class _Tuner:
         bar = _Progress(self, trials) if progress else None
         try:
             while True:
-                open_for_more = (deadline is None or time.monotonic() < deadline) and \
-                    (trials is None or self._judged_count() + len(self.in_flight) < trials)
+                self.recover()  # another worker of the study may have died since the last look
+                open_for_more = self._open_for_more(trials, deadline)
                 # Keep every compile process busy plus one compiled kernel waiting for the GPU.
                 while open_for_more and len(compiling) + len(self.gpu_queue) < self.jobs + 1:
                     candidate = self._propose()
                     if candidate is not None:
                         compiling[pool.submit(_compile, candidate.rendered)] = candidate
-                    open_for_more = trials is None or self._judged_count() + len(self.in_flight) < trials
-                    open_for_more &= deadline is None or time.monotonic() < deadline
+                    open_for_more = self._open_for_more(trials, deadline)
+                for candidate in self._resolve_waiting():
+                    compiling[pool.submit(_compile, candidate.rendered)] = candidate
                 if self.gpu_queue and not gating:
                     candidate = self.gpu_queue.popleft()
                     gating[gpu_pool.submit(self._gate, candidate)] = candidate
-                if not compiling and not gating:
+                if not compiling and not gating and not self.waiting_on:
                     if not open_for_more:
                         break
                     continue
-                done, _ = cf.wait([*compiling, *gating], timeout=HEARTBEAT_S / 2,
-                                  return_when=cf.FIRST_COMPLETED)
+                futures = [*compiling, *gating]
+                poll_s = WAIT_POLL_S if self.waiting_on else HEARTBEAT_S / 2
+                if futures:
+                    done, _ = cf.wait(futures, timeout=poll_s, return_when=cf.FIRST_COMPLETED)
+                else:  # only waiting for other workers' outcomes
+                    time.sleep(poll_s)
+                    done = ()
                 for future in done:
                     if future in compiling:  # not when a broken pool's compiles were resubmitted
                         pool = self._compiled(future, compiling.pop(future), compiling, pool, context)
@@ -279,7 +392,7 @@ class _Tuner:
                     bar.update()
         except BaseException:
             for candidate in list(self.in_flight.values()):
-                self._abandon(candidate.number, candidate.trial.params)
+                self._abandon(candidate.trial._trial_id, candidate.trial.params)
             raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -292,15 +405,22 @@ class _Tuner:
         return cf.ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_quiet,
                                       initargs=(self.compile_log,))
 
-    def _judged_count(self) -> int:
-        return len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+    def _open_for_more(self, trials: int | None, deadline: float | None) -> bool:
+        """Whether to propose another config: before the deadline, and while the trials judged
+        or being judged, by any worker of the study, are fewer than ``trials``."""
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+        return trials is None or len(self.study.get_trials(deepcopy=False, states=states)) < trials
 
     def _propose(self) -> _Candidate | None:
         """Ask for a config and take it as far as the CPU can without compiling; the candidate
         to compile, or None when the trial was settled here."""
         trial = self.study.ask()
-        trial.set_user_attr("worker", _worker())
+        # Heartbeat first: a trial with one is failed by the other workers if this process dies
+        # now; one without (killed right inside ask()) stays RUNNING, as with Optuna's optimize().
         self.study._storage.record_heartbeat(trial._trial_id)
+        trial.set_user_attr("worker", _worker())
         config = {}
         for name, p in self.space.params.items():
             if self.space.active(name, config):
@@ -323,13 +443,46 @@ class _Tuner:
         except RenderError as e:  # a template bug for this config: its outcome, not the study's
             return self._finish(candidate, "compile_error", f"render: {e}")
         candidate.digest = candidate.rendered.digest
-        if candidate.digest in self.judged:
-            return self._repeat(candidate, self.judged[candidate.digest])
-        in_flight = [c for c in self.in_flight.values() if c.digest == candidate.digest and c is not candidate]
-        if in_flight:
-            self.waiting_on.setdefault(candidate.digest, []).append(candidate)
-            return None
-        return candidate
+        original = self._judgement(candidate.digest)
+        if original is not None:
+            return self._repeat(candidate, original)
+        if self.store.claim(self.study.study_name, candidate.digest, candidate.number) == candidate.number:
+            return candidate
+        self.waiting_on.setdefault(candidate.digest, []).append(candidate)
+        return None
+
+    def _judgement(self, digest: str) -> TrialRecord | None:
+        """The recorded outcome of kernel ``digest`` in this study, by any worker; None yet."""
+        if digest not in self.judged:
+            row = next((r for r in self.store.trials(self.study.study_name, digest) if _is_judgement(r)), None)
+            if row is not None:
+                self.judged[digest] = row
+        return self.judged.get(digest)
+
+    def _resolve_waiting(self) -> list[_Candidate]:
+        """Settle repeats that wait on another worker's trial of the same kernel: with its
+        outcome once recorded; if that trial was lost, the first repeat takes the kernel over.
+        Returns the repeats that took a kernel over, to compile. (Repeats of this worker's own
+        trials are settled by :meth:`_finish`.)"""
+        if not self.waiting_on:
+            return []
+        running = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        to_compile = []
+        for digest, waiting in list(self.waiting_on.items()):
+            holder = self.store.claim(self.study.study_name, digest, waiting[0].number)
+            if holder in self.in_flight or holder in running:
+                continue
+            # The holder finished (its row is recorded before Optuna is told) or was lost.
+            original = self._judgement(digest)
+            if original is not None:
+                del self.waiting_on[digest]
+                for candidate in waiting:
+                    self._repeat(candidate, original)
+            elif self.store.take_over(self.study.study_name, digest, holder, waiting[0].number):
+                to_compile.append(waiting.pop(0))
+                if not waiting:
+                    del self.waiting_on[digest]
+        return to_compile
 
     def _compiled(self, future, candidate, compiling, pool, context):
         """Take a finished compile; returns the pool (a new one if a compile killed it)."""
@@ -408,30 +561,22 @@ class _Tuner:
         self.in_flight.pop(candidate.number, None)
         self.counts[record.status] += 1
 
-    def _tell(self, trial: optuna.Trial, record: TrialRecord) -> None:
+    def _tell(self, trial: optuna.Trial, record: TrialRecord, skip_if_finished: bool = False) -> None:
         trial.set_user_attr("status", record.status)
         if record.reason:
             trial.set_user_attr("reason", record.reason[:500])
         if record.status == "pass" and record.median_ms is not None:
-            self.study.tell(trial, record.median_ms)
+            self.study.tell(trial, record.median_ms, skip_if_finished=skip_if_finished)
             return
         if record.status in _INFEASIBLE:
             over = record.prediction["registers"] - self.budget if record.status == "pruned" else 1
             trial.set_constraint(_INFEASIBLE[record.status], float(max(over, 1)))
-        self.study.tell(trial, state=TrialState.PRUNED)
+        self.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=skip_if_finished)
 
     # ---- results
 
-    def best(self) -> TrialRecord | None:
-        """The fastest passing row whose kernel is still what the template renders today."""
-        rows = [r for r in self.store.trials(self.study.study_name) if r.status == "pass" and r.median_ms is not None]
-        for row in sorted(rows, key=lambda r: r.median_ms):
-            if _digest(self.problem, row.config) == row.digest:
-                return row
-        return None
-
     def _write_winner(self) -> None:
-        row = self.best()
+        row = best(self.problem, self.store, self.study.study_name)
         if row is None:
             return
         self.store.write_winner(Winner(
@@ -440,11 +585,34 @@ class _Tuner:
             study=row.study, trial_number=row.number), gate_status=row.status)
 
     def summary(self) -> TuneSummary:
-        rows = self.store.trials(self.study.study_name)
-        default_digest = _digest(self.problem, self.space.default(self.problem))
-        default = next((r for r in rows if r.digest == default_digest and r.repeat_of is None), None)
-        return TuneSummary(self.study.study_name, Counter(r.status for r in rows), self.best(), default,
-                           gated=self.gate is not None)
+        return summarise(self.problem, self.store, self.study.study_name, gated=self.gate is not None)
+
+
+def best(problem: Problem, store: Store, study: str) -> TrialRecord | None:
+    """The fastest passing row of ``study`` whose kernel is still what the template renders today."""
+    rows = [r for r in store.trials(study) if r.status == "pass" and r.median_ms is not None]
+    for row in sorted(rows, key=lambda r: r.median_ms):
+        if _digest(problem, row.config) == row.digest:
+            return row
+    return None
+
+
+def summarise(problem: Problem, store: Store, study: str, gated: bool) -> TuneSummary:
+    """The :class:`TuneSummary` of ``study`` as recorded in ``store``, over all its workers."""
+    rows = store.trials(study)
+    default_digest = _digest(problem, spaces.load(problem.variant).default(problem))
+    default = next((r for r in rows if r.digest == default_digest and r.repeat_of is None), None)
+    return TuneSummary(study, Counter(r.status for r in rows), best(problem, store, study), default, gated=gated)
+
+
+def _is_judgement(record: TrialRecord) -> bool:
+    """Whether ``record`` judged its kernel itself (rather than repeating another trial's outcome)."""
+    return record.digest is not None and record.repeat_of is None and record.status != "constraint"
+
+
+def _log_base(store: Store) -> str:
+    """Where log files go: beside the SQLite file, or ./results for a database server."""
+    return store.path or os.path.abspath("results")
 
 
 def _digest(problem: Problem, config: dict) -> str | None:

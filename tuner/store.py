@@ -1,12 +1,15 @@
 """The results database: every trial's outcome, the winners, their re-measurements and the
-model's calibration points, in the same SQLite file as the Optuna study.
+model's calibration points, in the same database as the Optuna study: an SQLite file, or a
+PostgreSQL server that workers on several machines share.
 
-Optuna keeps its own tables (``studies``, ``trials``, ...) in that file, so ours carry a
-``tuner_`` prefix: ``tuner_trials``, ``tuner_winners``, ``tuner_history``, ``tuner_calibration``.
-Every access goes through :meth:`Store.session`, which commits, rolls back and translates
-errors; a locked database is waited for and retried, a corrupt or foreign file is refused with
-a :class:`~tuner.errors.DatabaseError` and never written to. Rows leave this module as frozen
-dataclasses.
+Optuna keeps its own tables (``studies``, ``trials``, ...) in that database, so ours carry a
+``tuner_`` prefix: ``tuner_trials``, ``tuner_winners``, ``tuner_history``, ``tuner_calibration``,
+``tuner_claims``. Every access goes through :meth:`Store.session`, which commits, rolls back and
+translates errors; a locked database is waited for and retried, a corrupt or foreign file is
+refused with a :class:`~tuner.errors.DatabaseError` and never written to. Writes that concurrent
+workers may race on (a trial's row, a kernel's claim, a winner) are insert-or-ignore followed by
+a locked read, so the first writer wins and nothing is written twice. Rows leave this module as
+frozen dataclasses.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import math
 import os
 import sqlite3
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -35,6 +39,8 @@ STATUSES = ("constraint", "pruned", "compile_error", "screen", "compiled",
             "hang", "nan", "mismatch", "crash", "pass")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 DEFAULT_BUSY_TIMEOUT_S = 60.0
+# PostgreSQL advisory lock held while creating tables: concurrent CREATE TABLEs of one name fail.
+SCHEMA_LOCK_KEY = zlib.crc32(b"linattn-tuner schema")
 
 
 def utcnow() -> datetime:
@@ -181,6 +187,20 @@ class HistoryModel(_EnvironmentColumns, Base):
     p90_ms: Mapped[float | None]
     gate_errors: Mapped[dict | None]
     measured_at: Mapped[datetime]
+
+
+class ClaimModel(Base):
+    """Which trial of a study judges a kernel (digest): the first to claim it. Workers that
+    propose the same kernel meanwhile wait for that trial's outcome instead of judging it again."""
+
+    __tablename__ = "tuner_claims"
+    __table_args__ = (sa.UniqueConstraint("study", "digest", name="uq_tuner_claims_study_digest"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study: Mapped[str] = mapped_column(sa.String(256))
+    digest: Mapped[str] = mapped_column(sa.String(32))
+    number: Mapped[int]
+    claimed_at: Mapped[datetime]
 
 
 class CalibrationModel(Base):
@@ -439,7 +459,8 @@ class Store:
         if readonly:
             self._has_tables = self._retrying(lambda: sa.inspect(self._engine).has_table(TrialModel.__tablename__))
         else:
-            self._retrying(lambda: Base.metadata.create_all(self._engine))
+            with self.schema_lock():
+                self._retrying(lambda: Base.metadata.create_all(self._engine))
 
     def _sqlite_engine(self) -> sa.Engine:
         # SQLite's own busy handler waits up to a second per attempt; _retrying() retries with
@@ -492,6 +513,26 @@ class Store:
         return self.path or self.url
 
     @contextlib.contextmanager
+    def schema_lock(self) -> Iterator[None]:
+        """Hold off other processes that create tables in this database (ours or Optuna's) until
+        the block ends. On PostgreSQL an advisory lock; on SQLite nothing, because our DDL runs
+        in BEGIN IMMEDIATE transactions already, and a held file lock would block Optuna's own
+        connection in the same process."""
+        if self.path is not None:
+            yield
+            return
+        try:
+            conn = self._engine.connect()
+            conn.execute(sa.select(sa.func.pg_advisory_lock(SCHEMA_LOCK_KEY)))
+        except exc.DBAPIError as e:
+            raise self._translate(e) from None
+        try:
+            yield
+        finally:
+            conn.execute(sa.select(sa.func.pg_advisory_unlock(SCHEMA_LOCK_KEY)))
+            conn.close()
+
+    @contextlib.contextmanager
     def session(self) -> Iterator[Session]:
         """A session that commits on success, rolls back on any error, and turns database
         errors into DatabaseError. Prefer :meth:`run`, which also retries a locked database."""
@@ -525,14 +566,36 @@ class Store:
         values = _flat(record, {"problem": _PROBLEM_FIELDS, "environment": _ENV_FIELDS})
         return self.run(lambda s: _insert_ignore(s, TrialModel, values, ("study", "number")))
 
-    def trials(self, study: str | None = None) -> list[TrialRecord]:
-        """Recorded trials, of one study or all, in recording order."""
+    def trials(self, study: str | None = None, digest: str | None = None) -> list[TrialRecord]:
+        """Recorded trials, of one study or all, of one kernel (digest) or all, in recording order."""
         if not self._has_tables:
             return []
         query = sa.select(TrialModel).order_by(TrialModel.id)
         if study is not None:
             query = query.where(TrialModel.study == study)
+        if digest is not None:
+            query = query.where(TrialModel.digest == digest)
         return self.run(lambda s: [_trial_of(r) for r in s.scalars(query)])
+
+    # ---- claims
+
+    def claim(self, study: str, digest: str, number: int) -> int:
+        """Claim the judging of kernel ``digest`` in ``study`` for trial ``number``, unless a
+        trial already holds it; returns the number of the trial that holds it."""
+        values = {"study": study, "digest": digest, "number": number, "claimed_at": utcnow()}
+
+        def work(s: Session) -> int:
+            _insert_ignore(s, ClaimModel, values, ("study", "digest"))
+            return s.scalar(sa.select(ClaimModel.number).filter_by(study=study, digest=digest))
+
+        return self.run(work)
+
+    def take_over(self, study: str, digest: str, lost: int, number: int) -> bool:
+        """Move the claim of ``digest`` from trial ``lost`` (whose worker died) to trial
+        ``number``; False when another trial took it over first."""
+        update = (sa.update(ClaimModel).filter_by(study=study, digest=digest, number=lost)
+                  .values(number=number, claimed_at=utcnow()))
+        return self.run(lambda s: s.execute(update).rowcount == 1)
 
     # ---- winners
 
@@ -548,17 +611,17 @@ class Store:
         values.update(bucket_bh=winner.bucket.bh, bucket_t=winner.bucket.t, spread=winner.spread)
 
         def work(s: Session) -> Winner:
+            # Insert first, then read the row locked: concurrent workers writing the same key
+            # queue up here, and each compares with what the one before it kept.
+            inserted = _insert_ignore(s, WinnerModel, values, WINNER_KEY)
             key = {k: values[k] for k in WINNER_KEY}
-            row = s.scalars(sa.select(WinnerModel).filter_by(**key)).one_or_none()
-            if row is not None and row.median_ms <= winner.median_ms:
-                return _winner_of(row)
-            if row is None:
-                row = WinnerModel(**values)
-                s.add(row)
-            else:
+            row = s.scalars(sa.select(WinnerModel).filter_by(**key).with_for_update()).one()
+            if not inserted:
+                if row.median_ms <= winner.median_ms:
+                    return _winner_of(row)
                 for k, v in values.items():
                     setattr(row, k, v)
-            s.flush()
+                s.flush()
             s.add(HistoryModel(winner_id=row.id, status=gate_status, median_ms=winner.median_ms,
                                p10_ms=winner.p10_ms, p90_ms=winner.p90_ms, gate_errors=winner.gate_errors,
                                measured_at=winner.updated_at,
@@ -627,8 +690,9 @@ def _insert_ignore(session: Session, model, values: dict, unique: tuple[str, ...
         from sqlalchemy.dialects.postgresql import insert
     else:
         raise DatabaseError(f"results databases on {dialect} are not supported (SQLite or PostgreSQL)")
-    result = session.execute(insert(model).values(**values).on_conflict_do_nothing(index_elements=list(unique)))
-    return result.rowcount == 1
+    # RETURNING tells whether a row went in: psycopg reports no rowcount for this statement.
+    statement = insert(model).values(**values).on_conflict_do_nothing(index_elements=list(unique))
+    return session.execute(statement.returning(model.id)).first() is not None
 
 
 __all__ = [
