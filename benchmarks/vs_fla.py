@@ -109,16 +109,14 @@ def main(argv=None) -> int:
         return 2
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shape] if args.shape else SHAPES
     rows = []
+    gpu = torch.cuda.get_device_name()
     for variant in args.variant or VARIANTS:
         for dk in args.dk or (128,):
             for shape in shapes:
-                rows.append(measure(variant, dk, args.dtype, shape))
+                rows.append({**measure(variant, dk, args.dtype, shape), "gpu": gpu})
                 print(json.dumps(rows[-1]), flush=True)
-    gpu = torch.cuda.get_device_name()
-    for r in rows:
-        r["gpu"] = gpu
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+                with open(args.json, "w") as f:  # after every row: a killed run keeps what it measured
+                    json.dump(rows, f, indent=1)
     print(f"\n{gpu}, {args.dtype}, forward only; FLA with FLA_DISABLE_BACKEND_DISPATCH=1")
     print(table(rows))
     return 0

@@ -436,7 +436,8 @@ class _Tuner:
                 reason = self.model.prune_reason(self.problem, config, self.budget)
             except Exception as e:  # a model that cannot read a kernel must not stop the study: compile it
                 candidate.prediction, reason = {"error": f"{type(e).__name__}: {e}"}, None
-            if reason:
+            # The default is always measured: it is the baseline the winner is compared with.
+            if reason and config != self.space.default(self.problem):
                 return self._finish(candidate, "pruned", reason)
         try:
             candidate.rendered = render(self.problem, config)
@@ -532,6 +533,8 @@ class _Tuner:
         timing = (result.timing or {}) if result.status == "pass" else {}
         self._finish(candidate, result.status, result.message or "", gate_errors=result.errors,
                      gpu_seconds=seconds, **{k: timing.get(k) for k in ("median_ms", "p10_ms", "p90_ms")})
+        if result.status == "pass":  # a kill later loses no winner (write_winner keeps the faster)
+            self._write_winner()
 
     def _finish(self, candidate: _Candidate, status: str, reason: str, **measured) -> None:
         """Record the outcome, then tell Optuna (a kill in between is settled by recover())."""

@@ -1,0 +1,48 @@
+"""Search spaces: every variant's file loads, its defaults are valid, and broken configs are refused
+with their reason before a kernel is rendered."""
+import pytest
+
+from tuner import model, space, variants
+from tuner.errors import ConstraintError, UserError
+from tuner.problem import Problem
+from tuner.render import render
+
+ALL = list(variants.VARIANTS)
+
+
+@pytest.mark.parametrize("variant", ALL)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_default_config_is_valid_and_documented(variant, dim):
+    sp = space.load(variant)
+    problem = Problem(variant, dim, dim)
+    assert sp.violations(problem, sp.default(problem)) == []
+    for p in sp.params.values():
+        assert p.doc, f"{variant}.{p.name} has no doc"
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_block_dv_not_dividing_dv_is_refused_with_its_reason(variant):
+    problem = Problem(variant, 128, 64)
+    config = space.load(variant).complete(problem, {"block_dv": "128"})
+    with pytest.raises(ConstraintError, match="block_dv"):
+        render(problem, config)
+
+
+def test_config_over_the_shared_memory_limit_is_refused():
+    problem = Problem("decay", 128, 128)
+    sp = space.load("decay")
+    config = sp.complete(problem, {"num_stages": "4", "warp_specialized": "true", "qk_in": "shared",
+                                   "decay_in": "shared", "block_dv": "64"})
+    assert model.shared_memory_bytes(problem, config) > space.SMEM_LIMIT
+    with pytest.raises(ConstraintError, match="shared memory"):
+        render(problem, config)
+
+
+def test_overrides_are_coerced_and_unknown_names_refused():
+    problem = Problem("gdn", 128, 128)
+    sp = space.load("gdn")
+    assert sp.complete(problem, {"block_dv": "64"})["block_dv"] == 64
+    with pytest.raises(UserError, match="unknown parameter 'bogus'"):
+        sp.complete(problem, {"bogus": "1"})
+    with pytest.raises(UserError, match="not one of"):
+        sp.complete(problem, {"block_dv": "48"})
