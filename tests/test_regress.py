@@ -151,3 +151,14 @@ def test_regress_re_times_a_real_winner_and_appends_to_its_history(tmp_path):
     assert len(history) == 2 and history[-1].status == "pass" and history[-1].environment == env
     verdict = judge(history[-1], history[:-1])
     assert (out.returncode == 1) == verdict.flagged
+
+
+def test_a_template_change_is_named_among_the_changes_of_a_slowdown(tmp_path):
+    before = replace(measured(1.0, 0.98, 1.03), digest="abc123")
+    after = replace(measured(1.10, 1.08, 1.12, day=1), digest="def456")
+    verdict = judge(after, [before])
+    assert verdict.kind == "regressed"
+    assert "template abc123 -> def456" in verdict.changes
+    make_db(tmp_path / "r.db", [after])
+    stored = Store(tmp_path / "r.db", readonly=True).history()
+    assert [m.digest for m in stored] == ["abc123", "def456"]  # the tuning-time entry carries the winner's digest

@@ -174,7 +174,7 @@ def history_chart(winner: Winner, verdicts: list[Verdict]) -> str:
                  f'p10-p90 {latest_ref.p10_ms:.4g}-{latest_ref.p90_ms:.4g} ms '
                  f'({latest_ref.measured_at:%Y-%m-%d})</title></rect>')
     for i in range(1, n):
-        changes = stack_changes(verdicts[i - 1].measurement.environment, verdicts[i].measurement.environment)
+        changes = stack_changes(verdicts[i - 1].measurement, verdicts[i].measurement)
         if changes:
             x = plot.x(i - 0.5)
             short = ", ".join(c.split(" -> ")[0].split(" ")[0] + " " + c.split(" -> ")[1] for c in changes)

@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import environment, variants
-from .environment import Environment
 from .errors import UserError
 from .store import Measurement, Store, Winner
 
@@ -60,10 +59,13 @@ class Verdict:
         return self.kind in FLAGGED
 
 
-def stack_changes(before: Environment, after: Environment) -> tuple[str, ...]:
-    """The fields of two stacks that differ, as ``"name old -> new"``."""
-    return tuple(f"{name} {old} -> {new}" for name, old in before.as_dict().items()
-                 if old != (new := getattr(after, name)))
+def stack_changes(before: Measurement, after: Measurement) -> tuple[str, ...]:
+    """What differs between two measurements' stacks and kernel sources, as ``"name old -> new"``."""
+    changes = tuple(f"{name} {old} -> {new}" for name, old in before.environment.as_dict().items()
+                    if old != (new := getattr(after.environment, name)))
+    if before.digest and after.digest and before.digest != after.digest:
+        changes += (f"template {before.digest} -> {after.digest}",)
+    return changes
 
 
 def format_errors(errors: dict | None) -> str:
@@ -97,7 +99,7 @@ def judge(measurement: Measurement, previous: Iterable[Measurement]) -> Verdict:
         Verdict
     """
     ref = reference_of(previous)
-    changes = stack_changes(ref.environment, measurement.environment) if ref else ()
+    changes = stack_changes(ref, measurement) if ref else ()
     if measurement.status != "pass":
         errors = format_errors(measurement.gate_errors)
         return Verdict(measurement, ref, "failed", f"gate: {measurement.status}" + (f" ({errors})" if errors else ""),
@@ -191,7 +193,8 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
         timing = (result.timing or {}) if result.status == "pass" else {}
         measurement = store.add_measurement(Measurement(
             winner_id=w.id, status=result.status, environment=env, gate_errors=result.errors,
-            median_ms=timing.get("median_ms"), p10_ms=timing.get("p10_ms"), p90_ms=timing.get("p90_ms")))
+            median_ms=timing.get("median_ms"), p10_ms=timing.get("p10_ms"), p90_ms=timing.get("p90_ms"),
+            digest=digest))
         outcomes.append(Outcome(w, judge(measurement, previous), note))
     return outcomes
 

@@ -186,6 +186,7 @@ class HistoryModel(_EnvironmentColumns, Base):
     p10_ms: Mapped[float | None]
     p90_ms: Mapped[float | None]
     gate_errors: Mapped[dict | None]
+    digest: Mapped[str | None] = mapped_column(sa.String(64))  # the kernel source that was timed
     measured_at: Mapped[datetime]
 
 
@@ -302,6 +303,7 @@ class Measurement:
     p10_ms: float | None = None
     p90_ms: float | None = None
     gate_errors: dict | None = None
+    digest: str | None = None
     measured_at: datetime = field(default_factory=utcnow)
     id: int | None = None
 
@@ -624,7 +626,7 @@ class Store:
                 s.flush()
             s.add(HistoryModel(winner_id=row.id, status=gate_status, median_ms=winner.median_ms,
                                p10_ms=winner.p10_ms, p90_ms=winner.p90_ms, gate_errors=winner.gate_errors,
-                               measured_at=winner.updated_at,
+                               digest=winner.digest, measured_at=winner.updated_at,
                                **{f: values[f] for f in _ENV_FIELDS}))
             return _winner_of(row)
 
