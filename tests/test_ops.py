@@ -40,8 +40,10 @@ def _qkv(B=1, T=8, H=2, K=16, V=16, dtype=torch.bfloat16, device="cpu"):
     "call, message",
     [
         pytest.param(lambda q, k, v: ops.chunk_gla(q, k, v, torch.zeros(1, 8, 2, 16)), "must be on a CUDA device", id="cpu-tensors"),
-        pytest.param(lambda q, k, v: ops.chunk_gla(q.float(), k, v, None), "float16 or bfloat16", id="fp32"),
-        pytest.param(lambda q, k, v: ops.chunk_gla(q[0], k, v, None), "shape [B, T, H, D]", id="3d"),
+        pytest.param(lambda q, k, v: ops.chunk_gla(q.float(), k, v, torch.zeros(1, 8, 2, 16)), "float16 or bfloat16", id="fp32"),
+        pytest.param(lambda q, k, v: ops.chunk_gla(q[0], k, v, None), "4-D tensor [B, T, H, D]", id="3d"),
+        pytest.param(lambda q, k, v: ops.chunk_gla(q, k, v, torch.zeros(1, 8, 2)), "needs g of shape [1, 8, 2, 16]", id="g-shape"),
+        pytest.param(lambda q, k, v: ops.chunk_kda(q, k, v, torch.zeros(1, 8, 2, 16), None), "needs beta", id="no-beta"),
         pytest.param(lambda q, k, v: ops.chunk_gated_delta_rule(q, k, v, None, None, cu_seqlens=torch.tensor([0, 8])),
                      "cu_seqlens is not supported", id="varlen"),
         pytest.param(lambda q, k, v: ops.chunk_simple_gla(q, k, v, g=torch.zeros(1, 8, 2), g_gamma=torch.zeros(2)),

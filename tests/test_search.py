@@ -15,6 +15,8 @@ import pytest
 from tuner import space
 from tuner.problem import Problem
 
+from sqlite_lock import LOCK_HOLDER
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -109,16 +111,6 @@ def test_compile_only_study_survives_kill_9_and_resumes_without_loss_or_duplicat
     assert again.returncode == 0, again.stderr
     assert time.monotonic() - start > 2.0
     assert rows(db) == after
-
-
-LOCK_HOLDER = """
-import sqlite3, sys, time
-con = sqlite3.connect(sys.argv[1], isolation_level=None)
-con.execute("BEGIN EXCLUSIVE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-con.execute("COMMIT")
-"""
 
 
 def one_error_line(result):

@@ -14,6 +14,8 @@ from tuner.problem import Problem
 from tuner.store import (CalibrationPoint, Measurement, ShapeBucket, Store, TrialRecord, Winner,
                          shape_bucket)
 
+from sqlite_lock import LOCK_HOLDER
+
 H200 = Environment("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
 PROBLEM = Problem("linear", 64, 64)
 
@@ -131,16 +133,6 @@ def test_a_damaged_sqlite_file_is_refused_and_left_untouched(tmp_path):
     with pytest.raises(DatabaseError, match="damaged"):
         Store(db)
     assert digest_of(db) == before
-
-
-LOCK_HOLDER = """
-import sqlite3, sys, time
-con = sqlite3.connect(sys.argv[1], isolation_level=None)
-con.execute("BEGIN EXCLUSIVE")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-con.execute("COMMIT")
-"""
 
 
 def hold_lock(db, seconds):

@@ -17,7 +17,7 @@ from . import variants
 from .errors import UserError
 from .problem import Problem
 
-__all__ = ["REGIMES", "make_inputs", "regimes_for"]
+__all__ = ["REGIMES", "check_layout", "make_inputs", "regimes_for"]
 
 REGIMES: dict[str, str] = {
     "default": "decays drawn uniformly in [0.9, 0.999] (per head, token or channel)",
@@ -121,3 +121,43 @@ def make_inputs(problem: Problem, regime: str = "default", seed: int = 0, device
     return dict(q=place(q, dtype), k=place(k, dtype), v=place(v, dtype), g=place(g, torch.float32),
                 beta=place(beta, torch.float32), initial_state=place(initial_state, torch.float32),
                 scale=DK ** -0.5)
+
+
+def _shape(t) -> str:
+    return "None" if t is None else str(list(t.shape))
+
+
+def check_layout(variant: str, q, k, v, g=None, beta=None, initial_state=None, error=UserError):
+    """Check that inputs follow FLA's layout for ``variant``; raise ``error`` saying what was
+    expected and what was given.
+
+    Returns:
+        (B, T, H, DK, DV)
+    """
+    spec = variants.get(variant)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise error(f"{name} must be a torch.Tensor [B, T, H, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise error(f"{name} must be a 4-D tensor [B, T, H, D], got shape {_shape(t)}")
+    B, T, H, DK = q.shape
+    DV = v.shape[-1]
+    if k.shape != q.shape:
+        raise error(f"k must have the shape of q {_shape(q)}, got {_shape(k)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise error(f"v must be [B, T, H, DV] = [{B}, {T}, {H}, DV], got {_shape(v)}")
+    expected_g = spec.g_shape(B, T, H, DK)
+    if expected_g is None and g is not None:
+        raise error(f"variant {variant!r} takes no g (no decay), got g of shape {_shape(g)}")
+    if expected_g is not None and (g is None or tuple(g.shape) != expected_g):
+        raise error(f"variant {variant!r} needs g of shape {list(expected_g)}, got {_shape(g)}")
+    if spec.delta and (beta is None or tuple(beta.shape) != (B, T, H)):
+        raise error(f"variant {variant!r} needs beta of shape {[B, T, H]}, got {_shape(beta)}")
+    if not spec.delta and beta is not None:
+        raise error(f"variant {variant!r} takes no beta (not a delta rule), got beta of shape {_shape(beta)}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, DK, DV):
+        raise error(f"initial_state must be [B, H, DK, DV] = {[B, H, DK, DV]}, got {_shape(initial_state)}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None and t.device != q.device:
+            raise error(f"{name} is on {t.device} but q is on {q.device}; put all inputs on one device")
+    return B, T, H, DK, DV

@@ -15,10 +15,10 @@ import functools
 import torch
 
 from .errors import UserError
+from .inputs import check_layout
 from .lookup import best_config
 from .problem import Problem
 from .render import render
-from .variants import get as get_variant
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -28,43 +28,16 @@ class InputError(UserError, ValueError):
 
 
 def _check(variant: str, q, k, v, g, beta, initial_state) -> Problem:
-    spec = get_variant(variant)
+    B, T, H, DK, DV = check_layout(variant, q, k, v, g, beta, initial_state, error=InputError)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name} must have shape [B, T, H, D], got {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise InputError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-        if not t.is_cuda:
-            raise InputError(f"{name} must be on a CUDA device, got {t.device}")
         if torch.is_grad_enabled() and t.requires_grad:
             raise InputError(f"{name} requires grad: tuner.ops are forward-only kernels")
-    B, T, H, DK = q.shape
-    DV = v.shape[-1]
-    if k.shape != q.shape:
-        raise InputError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise InputError(f"v must have shape [{B}, {T}, {H}, DV], got {tuple(v.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if len({q.device, k.device, v.device}) != 1:
-        raise InputError("q, k, v must be on one device")
-    expected_g = spec.g_shape(B, T, H, DK)
-    if expected_g is None and g is not None:
-        raise InputError(f"{variant} takes no gate g")
-    if expected_g is not None:
-        if g is None:
-            raise InputError(f"{variant} needs g of shape {list(expected_g)}")
-        if tuple(g.shape) != expected_g or g.device != q.device:
-            raise InputError(f"g must have shape {list(expected_g)} on {q.device}, got {tuple(g.shape)} on {g.device}")
-    if spec.delta:
-        if beta is None or tuple(beta.shape) != (B, T, H) or beta.device != q.device:
-            got = None if beta is None else (tuple(beta.shape), str(beta.device))
-            raise InputError(f"beta must have shape [{B}, {T}, {H}] on {q.device}, got {got}")
-    if initial_state is not None and (tuple(initial_state.shape) != (B, H, DK, DV) or initial_state.device != q.device):
-        raise InputError(f"initial_state must have shape [{B}, {H}, {DK}, {DV}] on {q.device}, "
-                         f"got {tuple(initial_state.shape)} on {initial_state.device}")
+    if not q.is_cuda:
+        raise InputError(f"q, k, v must be on a CUDA device, got {q.device}")
     return Problem(variant, DK, DV, _DTYPES[q.dtype], B, T, H)
 
 
@@ -98,8 +71,11 @@ def _unsupported(**options):
             raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype)
+def _delta_rule(variant, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk):
+    if l2norm_qk:  # FLA's use_qk_l2norm_in_kernel, done here in torch: the kernels take normalised q, k
+        q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
+    return _run(variant, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state)
 
 
 def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
@@ -208,10 +184,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """
     _unsupported(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_v_first=state_v_first,
                  cu_seqlens=cu_seqlens)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    return _run("gdn", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state)
+    return _delta_rule("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -231,10 +204,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """
     _unsupported(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  cu_seqlens=cu_seqlens)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    return _run("kda", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state)
+    return _delta_rule("kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 
 
 __all__ = ["chunk_linear_attn", "chunk_retention", "chunk_simple_gla", "chunk_gla", "chunk_gated_delta_rule",

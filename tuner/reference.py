@@ -27,6 +27,7 @@ import torch
 
 from . import variants
 from .errors import UserError
+from .inputs import check_layout
 
 __all__ = ["recurrent", "chunked", "kernel_mirror"]
 
@@ -47,38 +48,9 @@ class _Inputs:
     delta: bool
 
 
-def _shape(t) -> str:
-    return "None" if t is None else str(list(t.shape))
-
-
 def _prepare(variant, q, k, v, g, beta, scale, initial_state) -> _Inputs:
     spec = variants.get(variant)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise UserError(f"{name} must be a torch.Tensor [B, T, H, D], got {type(t).__name__}")
-        if t.dim() != 4:
-            raise UserError(f"{name} must be a 4-D tensor [B, T, H, D], got shape {_shape(t)}")
-    B, T, H, DK = q.shape
-    DV = v.shape[-1]
-    if k.shape != q.shape:
-        raise UserError(f"k must have the shape of q {_shape(q)}, got {_shape(k)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise UserError(f"v must be [B, T, H, DV] = [{B}, {T}, {H}, DV], got {_shape(v)}")
-    expected_g = spec.g_shape(B, T, H, DK)
-    if expected_g is None and g is not None:
-        raise UserError(f"variant {variant!r} takes no g (no decay), got g of shape {_shape(g)}")
-    if expected_g is not None and (g is None or tuple(g.shape) != expected_g):
-        raise UserError(f"variant {variant!r} needs g of shape {list(expected_g)}, got {_shape(g)}")
-    if spec.delta and (beta is None or tuple(beta.shape) != (B, T, H)):
-        raise UserError(f"variant {variant!r} needs beta of shape {[B, T, H]}, got {_shape(beta)}")
-    if not spec.delta and beta is not None:
-        raise UserError(f"variant {variant!r} takes no beta (not a delta rule), got beta of shape {_shape(beta)}")
-    if initial_state is not None and tuple(initial_state.shape) != (B, H, DK, DV):
-        raise UserError(f"initial_state must be [B, H, DK, DV] = {[B, H, DK, DV]}, got {_shape(initial_state)}")
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
-        if t is not None and t.device != q.device:
-            raise UserError(f"{name} is on {t.device} but q is on {q.device}; put all inputs on one device")
-
+    B, T, H, DK, DV = check_layout(variant, q, k, v, g, beta, initial_state)
     f64 = torch.float64
     scale = DK ** -0.5 if scale is None else float(scale)
 
