@@ -79,11 +79,17 @@ class Space:
         if reasons:
             return reasons
         env = _Env(problem, config)
-        for c in self.constraints:
-            if c.when is not None and not _eval(c.when, config, env):
-                continue
-            if not _eval(c.require, config, env):
-                reasons.append(f"{c.reason} ({c.require})")
+        # The shared-memory constraints render the kernel to count its buffers: judge them only
+        # for configs that pass the cheap ones.
+        cheap = [c for c in self.constraints if "smem_bytes" not in c.require]
+        for batch in (cheap, [c for c in self.constraints if c not in cheap]):
+            for c in batch:
+                if c.when is not None and not _eval(c.when, config, env):
+                    continue
+                if not _eval(c.require, config, env):
+                    reasons.append(f"{c.reason} ({c.require})")
+            if reasons:
+                break
         return reasons
 
     def validate(self, problem: Problem, config: dict) -> None:
