@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -58,6 +59,10 @@ HEARTBEAT_S = 30
 GRACE_S = 120
 # How often a trial waiting for another worker's judgement of the same kernel looks for it.
 WAIT_POLL_S = 2.0
+STOP_POLL_S = 1.0  # how soon a Ctrl-C is acted on
+# A RUNNING trial with no worker tag this long after its start was orphaned inside study.ask():
+# a live worker tags its trial within milliseconds of asking for it.
+ORPHAN_S = 10
 # Outcomes that mean "this config cannot work", and the constraint that tells TPE so.
 _INFEASIBLE = {"constraint": "space", "pruned": "registers", "compile_error": "kernel", "screen": "kernel",
                "hang": "kernel", "nan": "kernel", "mismatch": "kernel", "crash": "kernel"}
@@ -322,18 +327,26 @@ class _Tuner:
         """Settle trials left RUNNING by a process of this host that is gone, and fail those
         whose heartbeat stopped. Other workers may be settling the same trials: whichever gets
         to a trial first settles it."""
+        now = datetime.now()
         lost = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                if _is_dead_here(t.user_attrs.get("worker"))]
-        rows = {r.number: r for r in self.store.trials(self.study.study_name)} if lost else {}
-        for t in lost:
-            if t.number not in rows:
-                self._abandon(t._trial_id, t.params)
+                if _is_dead_here(t.user_attrs.get("worker"))
+                # created, then killed inside study.ask() before it got a worker tag or a heartbeat
+                or ("worker" not in t.user_attrs and (now - t.datetime_start).total_seconds() > ORPHAN_S)]
+        self._settle_lost([(t._trial_id, t.number, t.params) for t in lost])
+        optuna.storages.fail_stale_trials(self.study)
+
+    def _settle_lost(self, trials: list[tuple[int, int, dict]]) -> None:
+        """Settle unfinished trials (id, number, params): from their row when the outcome was
+        recorded (stopped between recording it and telling Optuna), else fail and re-propose."""
+        rows = {r.number: r for r in self.store.trials(self.study.study_name)} if trials else {}
+        for trial_id, number, params in trials:
+            if number not in rows:
+                self._abandon(trial_id, params)
                 continue
-            try:  # killed between recording the row and telling Optuna
-                self._tell(optuna.Trial(self.study, t._trial_id), rows[t.number], skip_if_finished=True)
+            try:
+                self._tell(optuna.Trial(self.study, trial_id), rows[number], skip_if_finished=True)
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # told by another worker meanwhile
-        optuna.storages.fail_stale_trials(self.study)
 
     def _abandon(self, trial_id: int, params: dict) -> None:
         """Fail a trial whose outcome is lost and re-propose its config, unless another worker
@@ -355,8 +368,15 @@ class _Tuner:
         compiling: dict[cf.Future, _Candidate] = {}
         gating: dict[cf.Future, _Candidate] = {}
         bar = _Progress(self, trials) if progress else None
+        # Ctrl-C only sets a flag, acted on between steps: never between recording an outcome and
+        # telling Optuna, nor inside study.ask(), so an interrupted study leaves nothing RUNNING.
+        stop = threading.Event()
+        previous = (signal.signal(signal.SIGINT, lambda *_: stop.set())
+                    if threading.current_thread() is threading.main_thread() else None)
         try:
             while True:
+                if stop.is_set():
+                    raise KeyboardInterrupt
                 self.recover()  # another worker of the study may have died since the last look
                 open_for_more = self._open_for_more(trials, deadline)
                 # Keep every compile process busy plus one compiled kernel waiting for the GPU.
@@ -375,12 +395,14 @@ class _Tuner:
                         break
                     continue
                 futures = [*compiling, *gating]
-                poll_s = WAIT_POLL_S if self.waiting_on else HEARTBEAT_S / 2
+                poll_s = min(WAIT_POLL_S if self.waiting_on else HEARTBEAT_S / 2, STOP_POLL_S)
                 if futures:
                     done, _ = cf.wait(futures, timeout=poll_s, return_when=cf.FIRST_COMPLETED)
                 else:  # only waiting for other workers' outcomes
                     time.sleep(poll_s)
                     done = ()
+                if stop.is_set():
+                    raise KeyboardInterrupt
                 for future in done:
                     if future in compiling:  # not when a broken pool's compiles were resubmitted
                         pool = self._compiled(future, compiling.pop(future), compiling, pool, context)
@@ -391,10 +413,11 @@ class _Tuner:
                 if bar:
                     bar.update()
         except BaseException:
-            for candidate in list(self.in_flight.values()):
-                self._abandon(candidate.trial._trial_id, candidate.trial.params)
+            self._settle_lost([(c.trial._trial_id, c.number, c.trial.params) for c in self.in_flight.values()])
             raise
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             pool.shutdown(wait=False, cancel_futures=True)
             gpu_pool.shutdown(wait=False, cancel_futures=True)
             if bar:
@@ -418,7 +441,7 @@ class _Tuner:
         to compile, or None when the trial was settled here."""
         trial = self.study.ask()
         # Heartbeat first: a trial with one is failed by the other workers if this process dies
-        # now; one without (killed right inside ask()) stays RUNNING, as with Optuna's optimize().
+        # now; one without (killed right inside ask()) is failed once ORPHAN_S old (recover()).
         self.study._storage.record_heartbeat(trial._trial_id)
         trial.set_user_attr("worker", _worker())
         config = {}
@@ -629,6 +652,7 @@ def _digest(problem: Problem, config: dict) -> str | None:
 def _quiet(log_path: str) -> None:
     """Send a compile process's output (TVM prints tracebacks of failed compiles) to a log file:
     the errors are recorded in the trial rows, and the terminal keeps the progress bar."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the tuner's to handle, not a compile's
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
