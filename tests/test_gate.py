@@ -66,7 +66,7 @@ def test_nan_is_caught(tmp_path):
 def test_wrong_values_mismatch_and_tolerance_is_overridable(tmp_path):
     result = run_gate(PROBLEM, {}, source=behaving("wrong"), timeout_s=TIMEOUT_S, regimes=["default"],
                       cache_dir=tmp_path, **SMALL)
-    assert result.status == "mismatch" and "above 0.02" in result.message
+    assert result.status == "mismatch" and f"above {PROBLEM.tolerance:g}" in result.message
     assert 0.045 < result.errors["default"]["o"] < 0.055  # o scaled by 1.05
     loose = run_gate(PROBLEM, {}, source=behaving("wrong"), timeout_s=TIMEOUT_S, regimes=["default"],
                      tolerance=0.1, cache_dir=tmp_path, **SMALL)

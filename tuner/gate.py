@@ -85,7 +85,7 @@ def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None
         device (int): CUDA device index; the CPU when CUDA is absent. Default: 0.
         source (str): a module source with the ``programs()``/``forward()`` contract, used instead
             of rendering ``config`` (no twin check then). Default: None.
-        tolerance (float): relative L2 limit. Default: None (``problem.spec.tolerance``).
+        tolerance (float): relative L2 limit. Default: None (``problem.tolerance``, per dtype).
         seeds (tuple[int]): input seeds. Default: (0, 1).
         seqlens (tuple[int]): sequence lengths checked. Default: (1024, 1000).
         batch, heads (int): B and H of the check. Default: 2, 4.
@@ -121,7 +121,7 @@ def _job(problem: Problem, config: dict, *, regimes=None, device=0, source=None,
          seqlens=(1024, 1000), batch=2, heads=4, cache_dir=None) -> dict:
     """What the child needs, as JSON."""
     return dict(problem=problem.as_dict(), config=config, regimes=regimes, device=device, source=source,
-                tolerance=problem.spec.tolerance if tolerance is None else tolerance, seeds=list(seeds),
+                tolerance=problem.tolerance if tolerance is None else tolerance, seeds=list(seeds),
                 seqlens=list(seqlens), batch=batch, heads=heads, cache_dir=str(cache_dir) if cache_dir else None,
                 time=False)
 

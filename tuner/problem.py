@@ -35,6 +35,11 @@ class Problem:
         return variants.get(self.variant)
 
     @property
+    def tolerance(self) -> float:
+        """Relative L2 error against the fp64 oracle that the correctness gate accepts."""
+        return variants.GATE_TOLERANCE[self.dtype]
+
+    @property
     def torch_dtype(self):
         import torch
 
