@@ -335,6 +335,16 @@ class _Tuner:
         self._settle_lost([(t._trial_id, t.number, t.params) for t in lost])
         optuna.storages.fail_stale_trials(self.study)
 
+    def _outwait_orphans(self) -> None:
+        """Before leaving, let untagged RUNNING trials grow ORPHAN_S old and settle them, so a
+        study resumed after a kill inside study.ask() ends with nothing RUNNING."""
+        untagged = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                    if "worker" not in t.user_attrs]
+        if untagged:
+            oldest = min(t.datetime_start for t in untagged)
+            time.sleep(max(0.0, ORPHAN_S + 1 - (datetime.now() - oldest).total_seconds()))
+            self.recover()
+
     def _settle_lost(self, trials: list[tuple[int, int, dict]]) -> None:
         """Settle unfinished trials (id, number, params): from their row when the outcome was
         recorded (stopped between recording it and telling Optuna), else fail and re-propose."""
@@ -392,6 +402,7 @@ class _Tuner:
                     gating[gpu_pool.submit(self._gate, candidate)] = candidate
                 if not compiling and not gating and not self.waiting_on:
                     if not open_for_more:
+                        self._outwait_orphans()
                         break
                     continue
                 futures = [*compiling, *gating]
