@@ -340,9 +340,9 @@ class _Tuner:
         study resumed after a kill inside study.ask() ends with nothing RUNNING."""
         untagged = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                     if "worker" not in t.user_attrs]
-        if untagged:
-            oldest = min(t.datetime_start for t in untagged)
-            time.sleep(max(0.0, ORPHAN_S + 1 - (datetime.now() - oldest).total_seconds()))
+        if untagged:  # wait for the youngest: recover() settles each once it is ORPHAN_S old
+            youngest = max(t.datetime_start for t in untagged)
+            time.sleep(max(0.0, ORPHAN_S + 1 - (datetime.now() - youngest).total_seconds()))
             self.recover()
 
     def _settle_lost(self, trials: list[tuple[int, int, dict]]) -> None:
