@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import types
 
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 
@@ -28,34 +29,29 @@ from tuner.variants import VARIANTS  # noqa: E402
 SHAPES = ((4, 8192, 16), (1, 32768, 32), (16, 2048, 32))
 
 
-def fla_call(variant: str, x: dict):
-    """FLA 0.6.0's op for ``variant`` on the inputs ``x`` (the anchor table's calls)."""
+def fla_ops():
+    """FLA 0.6.0's ops under the names ``tuner.ops`` shares with them."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.gla import chunk_gla
     from fla.ops.kda import chunk_kda
     from fla.ops.retention import chunk_retention
     from fla.ops.simple_gla import chunk_simple_gla
 
-    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
-    return {
-        "linear": lambda: chunk_simple_gla(q, k, v),
-        "decay": lambda: chunk_retention(q, k, v),
-        "simple_gla": lambda: chunk_simple_gla(q, k, v, g),
-        "gla": lambda: chunk_gla(q, k, v, g),
-        "gdn": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
-        "kda": lambda: chunk_kda(q, k, v, g, beta),
-    }[variant]
+    return types.SimpleNamespace(chunk_simple_gla=chunk_simple_gla, chunk_retention=chunk_retention,
+                                 chunk_gla=chunk_gla, chunk_gated_delta_rule=chunk_gated_delta_rule,
+                                 chunk_kda=chunk_kda)
 
 
-def our_call(variant: str, x: dict):
+def op_call(impl, variant: str, x: dict):
+    """``variant``'s op of ``impl`` (``tuner.ops`` or FLA's) on the inputs ``x``: the anchor table's calls."""
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     return {
-        "linear": lambda: ops.chunk_simple_gla(q, k, v),
-        "decay": lambda: ops.chunk_retention(q, k, v),
-        "simple_gla": lambda: ops.chunk_simple_gla(q, k, v, g),
-        "gla": lambda: ops.chunk_gla(q, k, v, g),
-        "gdn": lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta),
-        "kda": lambda: ops.chunk_kda(q, k, v, g, beta),
+        "linear": lambda: impl.chunk_simple_gla(q, k, v),
+        "decay": lambda: impl.chunk_retention(q, k, v),
+        "simple_gla": lambda: impl.chunk_simple_gla(q, k, v, g),
+        "gla": lambda: impl.chunk_gla(q, k, v, g),
+        "gdn": lambda: impl.chunk_gated_delta_rule(q, k, v, g, beta),
+        "kda": lambda: impl.chunk_kda(q, k, v, g, beta),
     }[variant]
 
 
@@ -71,7 +67,7 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> d
     row = {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": B, "seqlen": T, "heads": H,
            "floor_ms": memory_floor_ms(problem)}
     try:
-        ours, fla = our_call(variant, x), fla_call(variant, x)
+        ours, fla = op_call(ops, variant, x), op_call(fla_ops(), variant, x)
         o_ours, o_fla = ours()[0], fla()[0]
         row["rel_l2_vs_fla"] = rel_l2(o_ours, o_fla)
         row["ours_ms"] = time_forward(ours).median_ms
