@@ -111,3 +111,54 @@ def test_load_kernels_compiles_once_through_the_tilelang_cache(tmp_path, monkeyp
     _, again = load_kernels(rendered, cache_dir=tmp_path)
     assert time.perf_counter() - start < first / 2
     assert again["gemm"].get_kernel_source() == kernels["gemm"].get_kernel_source()
+
+
+CHILD_LOADS_WITHOUT_NVCC = """
+import sys
+from tilelang.contrib import nvcc
+from tuner.compile import build_kernels
+from tuner.problem import Problem
+from tuner.render import Rendered
+
+
+def no_nvcc(*args, **kwargs):
+    raise AssertionError("nvcc ran")
+
+
+nvcc.compile_cuda = no_nvcc
+source, cache = open(sys.argv[1]).read(), sys.argv[2]
+report, module, kernels = build_kernels(Rendered(Problem("decay", 128, 128, "fp16"), {}, source), cache_dir=cache)
+print(report.cached, sorted(kernels), report.kernels[0].registers, "tl::wgmma_ss" in kernels["gemm"].get_kernel_source())
+"""
+
+
+def test_a_compiled_config_is_loaded_by_another_process_without_nvcc(tmp_path):
+    # The tuner's compile pool builds; the gate's child process runs what it built.
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "TILELANG_CACHE_DIR": str(tmp_path / "tilelang")}
+    rendered = fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128)
+    (tmp_path / "source.py").write_text(rendered.source)
+    build = subprocess.run([sys.executable, "-c", "import sys; from tuner.compile import compile_rendered; "
+                            "from tuner.problem import Problem; from tuner.render import Rendered; "
+                            "r = compile_rendered(Rendered(Problem('decay', 128, 128, 'fp16'), {}, "
+                            "open(sys.argv[1]).read()), cache_dir=sys.argv[2]); print(r.cached, r.kernels[0].registers)",
+                            str(tmp_path / "source.py"), str(tmp_path)], env=env, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    cached, registers = build.stdout.split()
+    assert cached == "False" and int(registers) > 0
+    load = subprocess.run([sys.executable, "-c", CHILD_LOADS_WITHOUT_NVCC, str(tmp_path / "source.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True)
+    assert load.returncode == 0, load.stderr[-2000:]
+    assert load.stdout.split() == ["True", "['gemm']", registers, "True"]
+
+
+def test_a_tilelang_cache_hit_without_a_stored_report_still_gets_ptxas_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
+    rendered = fixture("gemm_kernel.py", NUM_STAGES=1)
+    load_kernels(rendered, cache_dir=tmp_path)  # the kernel is now in TileLang's cache, no report stored
+    report = compile_rendered(rendered, cache_dir=tmp_path)
+    assert not report.cached and report.error is None
+    (k,) = report.kernels
+    assert k.registers > 0 and k.dynamic_smem_bytes == 1 * (128 * 64 + 64 * 128) * 2

@@ -16,6 +16,7 @@ import torch
 
 from . import inputs, reference
 from .compile import build_kernels
+from .gate import twin_config
 from .problem import Problem
 from .render import Rendered, render
 
@@ -67,9 +68,9 @@ def gate(job: dict, progress) -> dict:
         return dict(out, status="screen", message="; ".join(f"line {f.line}: {f.message}" for f in report.rejected))
 
     twin = None
-    if job["source"] is None and config.get("num_stages", 0) > 0:
+    if job["source"] is None and twin_config(config) is not None:
         progress("compile num_stages=0 twin")
-        twin_report, twin_module, twin_kernels = build_kernels(render(problem, {**config, "num_stages": 0}),
+        twin_report, twin_module, twin_kernels = build_kernels(render(problem, twin_config(config)),
                                                                cache_dir=job["cache_dir"])
         if twin_report.ok:
             twin = (twin_module, twin_kernels)

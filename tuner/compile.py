@@ -6,12 +6,14 @@ reads a ``prim_func``'s source through ``inspect``, so it must live in a file), 
 of ``programs()`` is compiled with ptxas in verbose mode. The figures come from the ``PTXAS
 verbose output`` record of the ``tilelang`` logger (shared/notes/tilelang-and-gpu-facts.md).
 
-Caching: a TileLang cache hit skips nvcc and with it the ptxas lines, so reports would silently
-lose their figures. ``compile_rendered`` therefore compiles with TileLang's caches switched off
-and keeps its own cache instead: the report is stored beside the kernel as
-``<name>.<arch>.report.json`` (the name holds the source digest) and reused, without compiling,
-when asked again. ``load_kernels`` is the other way round: it is for running kernels, keeps
-TileLang's cache on (only the first call compiles) and reports nothing.
+Caching: a TileLang cache hit skips nvcc and with it the ptxas lines, so a report cannot come from
+TileLang's cache. ``build_kernels`` compiles with ptxas in verbose mode and stores the report beside
+the kernel as ``<name>.<arch>.report.json`` (the name holds the source digest); TileLang's cache is
+on, so the compiled kernels are kept too. Asked again, ``compile_rendered`` and ``build_kernels``
+reuse the stored report and load the kernels from TileLang's cache: what the tuner's compile pool
+built is what the gate runs, without a second nvcc. ``load_kernels`` (for running: the gate, the
+ops) passes the same compile flags, so it shares the cache entries. On the rare cache hit without a
+stored report, that program is compiled again with TileLang's cache off, for its figures.
 """
 from __future__ import annotations
 
@@ -160,25 +162,27 @@ def compile_rendered(rendered, *, arch: str = "sm_90a", cache_dir=None) -> Compi
     Returns:
         CompileReport: reused from ``<name>.<arch>.report.json`` when present (``cached`` set).
     """
-    path = _report_path(rendered, arch, cache_dir)
-    if path.exists():
-        try:
-            report = CompileReport.from_dict(json.loads(path.read_text()))
-            report.cached = True
-            return report
-        except (ValueError, TypeError, KeyError):
-            pass  # unreadable (an older format): compile again
+    stored = _stored_report(rendered, arch, cache_dir)
+    if stored is not None:
+        return stored
     report, _, _ = build_kernels(rendered, arch=arch, cache_dir=cache_dir)
     return report
 
 
 def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
-    """Compile fresh (TileLang caches off, so ptxas runs), screen, store the report, and return the
-    kernels too, for callers that run them right away (the gate): one compile serves both.
+    """Compile (ptxas verbose), screen, store the report, and return the kernels too, for callers
+    that run them right away (the gate). A config compiled before (its report is stored) is loaded
+    from TileLang's cache instead, with its stored report.
 
     Returns:
         (CompileReport, module or None, dict name -> JITKernel). The kernels are empty on a compile error.
     """
+    stored = _stored_report(rendered, arch, cache_dir)
+    if stored is not None:
+        if stored.error is not None:
+            return stored, None, {}
+        module, kernels = load_kernels(rendered, arch, cache_dir)
+        return stored, module, kernels
     source_path = _write_source(rendered, cache_dir)
     report = CompileReport(rendered.name, rendered.digest, arch, source_path=str(source_path))
     threads = (getattr(rendered, "config", None) or {}).get("threads")
@@ -189,10 +193,13 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
         module = _import(rendered.name, source_path)
         programs = module.programs()
         if programs:  # a module without programs (a pure-torch test double) needs no TileLang
-            with _fresh_compile() as capture:
+            with _verbose_compile() as capture:
                 for name, prim_func, pass_configs in programs:
                     capture.clear()
-                    kernels[name] = _compile(prim_func, arch, pass_configs, verbose=True)
+                    kernels[name] = _compile(prim_func, arch, pass_configs)
+                    if not capture.ptxas_output():  # a TileLang cache hit: no nvcc ran
+                        with _tilelang_cache_off():
+                            kernels[name] = _compile(prim_func, arch, pass_configs)
                     report.kernels.append(_kernel_report(name, kernels[name], capture.ptxas_output()))
     except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
         report.error = _trim(e)
@@ -205,14 +212,14 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
 
 
 def load_kernels(rendered, arch: str = "sm_90a", cache_dir=None) -> tuple[ModuleType, dict]:
-    """The imported module and its compiled programs for running (TileLang's cache on: only the
-    first call for a given source compiles).
+    """The imported module and its compiled programs for running, from TileLang's cache when the
+    config was compiled before (by ``build_kernels`` too: the flags, and so the keys, are the same).
 
     Returns:
         (module, dict name -> JITKernel).
     """
     module = _import(rendered.name, _write_source(rendered, cache_dir))
-    kernels = {name: _compile(f, arch, pc, verbose=False) for name, f, pc in module.programs()}
+    kernels = {name: _compile(f, arch, pc) for name, f, pc in module.programs()}
     return module, kernels
 
 
@@ -221,6 +228,19 @@ def load_kernels(rendered, arch: str = "sm_90a", cache_dir=None) -> tuple[Module
 
 def _report_path(rendered, arch: str, cache_dir) -> Path:
     return kernels_dir(cache_dir) / f"{rendered.name}.{arch}.report.json"
+
+
+def _stored_report(rendered, arch: str, cache_dir) -> CompileReport | None:
+    """The report of an earlier compile of this source, or None (none, or an unreadable older format)."""
+    path = _report_path(rendered, arch, cache_dir)
+    if not path.exists():
+        return None
+    try:
+        report = CompileReport.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError):
+        return None
+    report.cached = True
+    return report
 
 
 def _write_source(rendered, cache_dir) -> Path:
@@ -245,12 +265,16 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _compile(prim_func, arch: str, pass_configs: dict | None, verbose: bool):
+# ptxas' figures ride on nvcc's verbose output; every compile passes these flags (they are part of
+# TileLang's cache key), so a kernel built for its report is the kernel loaded to run.
+COMPILE_FLAGS = ["-Xptxas", "-v"]
+
+
+def _compile(prim_func, arch: str, pass_configs: dict | None):
     import tilelang
 
-    flags = ["-Xptxas", "-v"] if verbose else None
     return tilelang.compile(prim_func, target={"kind": "cuda", "arch": arch}, pass_configs=pass_configs or {},
-                            compile_flags=flags)
+                            compile_flags=COMPILE_FLAGS)
 
 
 class _Capture(logging.Handler):
@@ -271,9 +295,27 @@ class _Capture(logging.Handler):
 
 
 @contextlib.contextmanager
-def _fresh_compile():
-    """TileLang caches off and verbose ptxas on (both read from the environment at compile time);
-    the logger's records captured, its console handlers quiet.
+def _environment(**values: str):
+    """Set environment variables for the duration (TileLang reads its switches at compile time)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _tilelang_cache_off():
+    return _environment(TILELANG_DISABLE_CACHE="1")
+
+
+@contextlib.contextmanager
+def _verbose_compile():
+    """Verbose ptxas on; the ``tilelang`` logger's records captured, its console handlers quiet.
 
     With verbose on, TileLang also passes ``-w`` to nvcc, which silences ptxas warnings, C7512
     included (checked: ``-Xptxas -warn-spills`` prints its warning without ``-w``, nothing with
@@ -289,8 +331,6 @@ def _fresh_compile():
             options = [o for o in options if o != "-w"]
         return compile_cuda(code, target_format, arch, options, path_target, verbose)
 
-    saved_env = {k: os.environ.get(k) for k in ("TILELANG_DISABLE_CACHE", "TILELANG_VERBOSE")}
-    os.environ.update(TILELANG_DISABLE_CACHE="1", TILELANG_VERBOSE="1")
     nvcc.compile_cuda = compile_cuda_keeping_warnings
     logger = logging.getLogger("tilelang")
     saved_level = logger.level
@@ -301,18 +341,14 @@ def _fresh_compile():
     logger.addHandler(capture)
     logger.setLevel(logging.INFO)
     try:
-        yield capture
+        with _environment(TILELANG_VERBOSE="1"):
+            yield capture
     finally:
         nvcc.compile_cuda = compile_cuda
         logger.removeHandler(capture)
         logger.setLevel(saved_level)
         for h, level in quieted:
             h.setLevel(level)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 _ENTRY_RE = re.compile(r"Compiling entry function '(\w+)'")

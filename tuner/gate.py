@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from .problem import Problem
 
-__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time"]
+__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "twin_config"]
 
 STATUSES = ("pass", "compile_error", "screen", "hang", "nan", "mismatch", "crash")
 # The end of the child's output kept in a crash message.
@@ -68,6 +68,11 @@ class GateResult:
         if d.get("status") not in STATUSES:
             raise ValueError(f"unknown gate status {d.get('status')!r}; expected one of {STATUSES}")
         return cls(**d)
+
+
+def twin_config(config: dict) -> dict | None:
+    """The ``num_stages = 0`` twin a staged config is compared with; None for an unstaged config."""
+    return {**config, "num_stages": 0} if config.get("num_stages", 0) > 0 else None
 
 
 def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None, timeout_s: float = 120,

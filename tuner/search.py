@@ -27,7 +27,6 @@ feasible: judged, just not timed); FAIL only marks a trial whose process was los
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import multiprocessing
 import os
 import signal
@@ -48,6 +47,8 @@ from optuna.trial import TrialState
 from . import environment, space as spaces
 from .environment import Environment
 from .errors import UserError
+from . import model
+from .gate import gate_and_time, twin_config
 from .problem import Problem
 from .render import RenderError, render
 from .store import Store, TrialRecord, Winner, utcnow
@@ -104,6 +105,7 @@ class _Candidate:
     started_at: datetime = field(default_factory=utcnow)
     digest: str | None = None
     rendered: object = None
+    twin: object = None  # the rendered num_stages = 0 twin of a staged config (the gate compares them)
     prediction: dict | None = None
     compile: dict | None = None
 
@@ -147,9 +149,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
             raise UserError(f"--{label} must be a positive number, got {value}")
     store = Store(storage or db)  # first: a database that cannot be used fails before any work
     if gate is None and environment.has_gpu():
-        _require("tuner.gate", "gating and timing")
-        from .gate import gate_and_time as gate
-    _require("tuner.compile", "compiling")
+        gate = gate_and_time
     env = environment.current(gpu)
     with warnings.catch_warnings():
         # Heartbeats, group sampling and fail_stale_trials are used on purpose (with ask/tell).
@@ -247,11 +247,6 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
     return failed[0][1] if failed else 0
 
 
-def _require(module: str, purpose: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise UserError(f"{module} is not available, so {purpose} cannot run")
-
-
 def _open_study(problem: Problem, env: Environment, store: Store) -> optuna.Study:
     """The study in ``store``'s database, created with the template's default config first in
     line when it is new."""
@@ -304,7 +299,6 @@ class _Tuner:
         self.problem, self.env, self.store, self.study = problem, env, store, study
         self.space = spaces.load(problem.variant)
         self.jobs, self.gpu, self.budget, self.gate = jobs, gpu, budget, gate
-        self.model = _model()
         rows = store.trials(study.study_name)
         self.judged = {r.digest: r for r in rows if _is_judgement(r)}
         self.counts = Counter(r.status for r in rows)
@@ -393,10 +387,10 @@ class _Tuner:
                 while open_for_more and len(compiling) + len(self.gpu_queue) < self.jobs + 1:
                     candidate = self._propose()
                     if candidate is not None:
-                        compiling[pool.submit(_compile, candidate.rendered)] = candidate
+                        compiling[pool.submit(_compile, candidate.rendered, candidate.twin)] = candidate
                     open_for_more = self._open_for_more(trials, deadline)
                 for candidate in self._resolve_waiting():
-                    compiling[pool.submit(_compile, candidate.rendered)] = candidate
+                    compiling[pool.submit(_compile, candidate.rendered, candidate.twin)] = candidate
                 if self.gpu_queue and not gating:
                     candidate = self.gpu_queue.popleft()
                     gating[gpu_pool.submit(self._gate, candidate)] = candidate
@@ -464,17 +458,18 @@ class _Tuner:
         reasons = self.space.violations(self.problem, config)
         if reasons:
             return self._finish(candidate, "constraint", "; ".join(reasons))
-        if self.model is not None:
-            try:
-                candidate.prediction = self.model.predict(self.problem, config).as_dict()
-                reason = self.model.prune_reason(self.problem, config, self.budget)
-            except Exception as e:  # a model that cannot read a kernel must not stop the study: compile it
-                candidate.prediction, reason = {"error": f"{type(e).__name__}: {e}"}, None
-            # The default is always measured: it is the baseline the winner is compared with.
-            if reason and config != self.space.default(self.problem):
-                return self._finish(candidate, "pruned", reason)
+        try:
+            candidate.prediction = model.predict(self.problem, config).as_dict()
+            reason = model.prune_reason(self.problem, config, self.budget)
+        except Exception as e:  # a model that cannot read a kernel must not stop the study: compile it
+            candidate.prediction, reason = {"error": f"{type(e).__name__}: {e}"}, None
+        # The default is always measured: it is the baseline the winner is compared with.
+        if reason and config != self.space.default(self.problem):
+            return self._finish(candidate, "pruned", reason)
         try:
             candidate.rendered = render(self.problem, config)
+            if twin_config(config) is not None:
+                candidate.twin = render(self.problem, twin_config(config))
         except RenderError as e:  # a template bug for this config: its outcome, not the study's
             return self._finish(candidate, "compile_error", f"render: {e}")
         candidate.digest = candidate.rendered.digest
@@ -537,7 +532,7 @@ class _Tuner:
             resubmit = [candidate, *compiling.values()]
             compiling.clear()
             for c in resubmit:
-                compiling[pool.submit(_compile, c.rendered)] = c
+                compiling[pool.submit(_compile, c.rendered, c.twin)] = c
             return pool
         except Exception as e:  # the compiler raised: this config's outcome, not the study's
             self._finish(candidate, "crash", f"compile raised {type(e).__name__}: {e}")
@@ -670,24 +665,17 @@ def _quiet(log_path: str) -> None:
     os.close(fd)
 
 
-def _compile(rendered) -> dict:
-    """Compile in a pool process; a plain dict crosses back."""
+def _compile(rendered, twin=None) -> dict:
+    """Compile in a pool process; a plain dict crosses back. A staged config's ``num_stages = 0``
+    twin is built too: the gate's child then loads both from the caches and runs no nvcc."""
     from .compile import compile_rendered
 
     start = time.monotonic()
     report = compile_rendered(rendered)
+    if twin is not None and report.ok:
+        compile_rendered(twin)
     return {"error": report.error, "rejected": [f.message for f in report.rejected],
             "report": report.as_dict(), "seconds": time.monotonic() - start}
-
-
-def _model():
-    """The register model, or None (with a note) while tuner/model.py does not exist yet."""
-    if importlib.util.find_spec("tuner.model") is None:
-        print("tune: note: the register model (tuner/model.py) is missing; no config is pruned by prediction")
-        return None
-    from . import model
-
-    return model
 
 
 # ---- presentation
