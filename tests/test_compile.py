@@ -162,3 +162,24 @@ def test_a_tilelang_cache_hit_without_a_stored_report_still_gets_ptxas_figures(t
     assert not report.cached and report.error is None
     (k,) = report.kernels
     assert k.registers > 0 and k.dynamic_smem_bytes == 1 * (128 * 64 + 64 * 128) * 2
+
+
+def test_a_kernel_shared_with_a_compiled_config_is_not_compiled_again(tmp_path, monkeypatch):
+    # Two configs that share a kernel (here: the same source under two names) compile it once.
+    from tilelang.contrib import nvcc
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
+    first = compile_rendered(fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128), cache_dir=tmp_path / "a")
+
+    def no_nvcc(*args, **kwargs):
+        raise AssertionError("nvcc ran")
+
+    monkeypatch.setattr(nvcc, "compile_cuda", no_nvcc)
+    again = compile_rendered(fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128), cache_dir=tmp_path / "b")
+    assert not again.cached and again.error is None
+    assert [asdict_kernel(k) for k in again.kernels] == [asdict_kernel(k) for k in first.kernels]
+
+
+def asdict_kernel(k):
+    return {f: getattr(k, f) for f in ("registers", "spill_stores", "stack_frame", "barriers", "dynamic_smem_bytes",
+                                       "wgmma_serialized")}

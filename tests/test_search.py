@@ -211,3 +211,26 @@ def test_compile_failures_are_recorded_and_never_gated(tmp_path, monkeypatch):
     records = Store(db).trials()
     assert [r.status for r in records] == ["compile_error"] * 2 and "nvcc" in records[0].reason
     assert gated == [] and summary.winner is None and Store(db).winners() == []
+
+
+@pytest.mark.slow
+def test_fixed_parameters_hold_in_every_trial_of_a_study_of_their_own(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.gate import GateResult
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    gated = []
+
+    def refusing_gate(problem, config, *, timeout_s, device):
+        gated.append(config)
+        return GateResult("mismatch", message="not run: this test looks at what is proposed")
+
+    summary = search.tune(SMALL, trials=3, db=str(tmp_path / "r.db"), jobs=2, progress=False, gate=refusing_gate,
+                          fixed={"num_stages": "0", "block_dv": "32"})
+    assert summary.study.endswith(f"+num_stages=0+block_dv=32@{search.environment.current().key()}")
+    records = Store(tmp_path / "r.db").trials()
+    assert len(records) == 3 and all((r.config["num_stages"], r.config["block_dv"]) == (0, 32) for r in records)
+    first = min(records, key=lambda r: r.number)  # the held space's default, enqueued first
+    assert first.config == space.load("linear").complete(SMALL, {"num_stages": 0, "block_dv": 32})
+    assert gated and all(c["num_stages"] == 0 for c in gated)

@@ -46,3 +46,20 @@ def test_overrides_are_coerced_and_unknown_names_refused():
         sp.complete(problem, {"bogus": "1"})
     with pytest.raises(UserError, match="not one of"):
         sp.complete(problem, {"block_dv": "48"})
+
+
+def test_fix_holds_parameters_at_one_value_and_leaves_the_rest():
+    problem = Problem("gdn", 128, 128)
+    sp = space.load("gdn")
+    held = sp.fix({"split": "chunked", "block_dv": "64"})
+    assert held.fixed == (("split", "chunked"), ("block_dv", 64))
+    assert held.default(problem) == {**sp.default(problem), "block_dv": 64}
+    grid = held.grid()
+    assert {(c["split"], c["block_dv"]) for c in grid} == {("chunked", 64)}
+    assert {c["solve"] for c in grid} == set(sp.params["solve"].values)  # the rest still varies
+    assert held.violations(problem, {**held.default(problem), "block_dv": 32})  # outside the held space
+    assert sp.fix({}) == sp and sp.params["block_dv"].values == (16, 32, 64, 128)  # the loaded space is untouched
+    with pytest.raises(UserError, match="unknown parameter 'bogus'"):
+        sp.fix({"bogus": "1"})
+    with pytest.raises(UserError, match="not one of"):
+        sp.fix({"block_dv": "48"})

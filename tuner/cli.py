@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one worker process per CUDA device, all on the same study (needs CUDA devices)")
     run.add_argument("--register-budget", type=_positive, default=255, metavar="R",
                      help="prune configs predicted above R registers per thread (default 255)")
+    run.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE",
+                     help="hold one template parameter at a value and search the rest (repeatable; "
+                          "a study of its own)")
 
     render = sub.add_parser("render", help="print the rendered TileLang source of one config")
     _add_problem(render, shape=False)
@@ -140,12 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_overrides(items: list[str]) -> dict[str, str]:
+def parse_overrides(items: list[str], option: str = "--set") -> dict[str, str]:
     out = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise UserError(f"--set expects NAME=VALUE, got {item!r}")
+            raise UserError(f"{option} expects NAME=VALUE, got {item!r}")
         out[name.strip()] = value.strip()
     return out
 
@@ -219,6 +222,7 @@ def _cmd_calibrate(args) -> int:
 
 def _cmd_run(args) -> int:
     problem = problem_from(args)
+    args.fix = parse_overrides(args.fix, "--fix")
     from . import search
 
     return search.tune_main(problem, args)

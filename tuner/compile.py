@@ -6,14 +6,15 @@ reads a ``prim_func``'s source through ``inspect``, so it must live in a file), 
 of ``programs()`` is compiled with ptxas in verbose mode. The figures come from the ``PTXAS
 verbose output`` record of the ``tilelang`` logger (shared/notes/tilelang-and-gpu-facts.md).
 
-Caching: a TileLang cache hit skips nvcc and with it the ptxas lines, so a report cannot come from
-TileLang's cache. ``build_kernels`` compiles with ptxas in verbose mode and stores the report beside
-the kernel as ``<name>.<arch>.report.json`` (the name holds the source digest); TileLang's cache is
-on, so the compiled kernels are kept too. Asked again, ``compile_rendered`` and ``build_kernels``
-reuse the stored report and load the kernels from TileLang's cache: what the tuner's compile pool
-built is what the gate runs, without a second nvcc. ``load_kernels`` (for running: the gate, the
-ops) passes the same compile flags, so it shares the cache entries. On the rare cache hit without a
-stored report, that program is compiled again with TileLang's cache off, for its figures.
+Caching: a TileLang cache hit skips nvcc and with it ptxas' lines. ``build_kernels`` compiles with
+ptxas in verbose mode, keeps ptxas' lines in the kernel's TileLang cache entry (``PTXAS_FILE``) and
+stores the report beside the kernel as ``<name>.<arch>.report.json`` (the name holds the source
+digest). Asked again, ``compile_rendered`` and ``build_kernels`` reuse the stored report and load
+the kernels from TileLang's cache: what the tuner's compile pool built is what the gate runs,
+without a second nvcc. ``load_kernels`` (for running: the gate, the ops) passes the same compile
+flags, so it shares the cache entries. A kernel shared by several configs (the output kernel of
+configs that differ in the state pass) is compiled once: its ptxas lines come from the cache entry.
+Without them (an entry made by ``load_kernels``) it is compiled again with TileLang's cache off.
 """
 from __future__ import annotations
 
@@ -195,12 +196,8 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
         if programs:  # a module without programs (a pure-torch test double) needs no TileLang
             with _verbose_compile() as capture:
                 for name, prim_func, pass_configs in programs:
-                    capture.clear()
-                    kernels[name] = _compile(prim_func, arch, pass_configs)
-                    if not capture.ptxas_output():  # a TileLang cache hit: no nvcc ran
-                        with _tilelang_cache_off():
-                            kernels[name] = _compile(prim_func, arch, pass_configs)
-                    report.kernels.append(_kernel_report(name, kernels[name], capture.ptxas_output()))
+                    kernels[name], ptxas = _compile_with_ptxas(prim_func, arch, pass_configs, capture)
+                    report.kernels.append(_kernel_report(name, kernels[name], ptxas))
     except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
         report.error = _trim(e)
         kernels = {}
@@ -268,6 +265,31 @@ def _import(name: str, path: Path) -> ModuleType:
 # ptxas' figures ride on nvcc's verbose output; every compile passes these flags (they are part of
 # TileLang's cache key), so a kernel built for its report is the kernel loaded to run.
 COMPILE_FLAGS = ["-Xptxas", "-v"]
+
+
+# ptxas' lines for a kernel, kept in its TileLang cache entry: a kernel shared by several configs
+# (the output kernel of configs that differ in the state pass) is compiled once, not once each.
+PTXAS_FILE = "linattn-ptxas.txt"
+
+
+def _compile_with_ptxas(prim_func, arch: str, pass_configs: dict | None, capture: "_Capture"):
+    """(kernel, ptxas output): from nvcc, else (a TileLang cache hit) from the cache entry, else
+    from a compile with TileLang's cache off."""
+    capture.clear()
+    kernel = _compile(prim_func, arch, pass_configs)
+    ptxas = capture.ptxas_output()
+    entry = getattr(kernel, "_tilelang_cache_path", None)
+    kept = Path(entry) / PTXAS_FILE if entry and Path(entry).is_dir() else None
+    if ptxas:
+        if kept is not None:
+            kept.write_text(ptxas)
+        return kernel, ptxas
+    if kept is not None and kept.exists():
+        return kernel, kept.read_text()
+    with _tilelang_cache_off():
+        capture.clear()
+        kernel = _compile(prim_func, arch, pass_configs)
+    return kernel, capture.ptxas_output()
 
 
 def _compile(prim_func, arch: str, pass_configs: dict | None):

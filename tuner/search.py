@@ -114,15 +114,17 @@ class _Candidate:
         return self.trial.number
 
 
-def study_name(problem: Problem, env: Environment) -> str:
-    """The study of ``problem`` on this stack: a different GPU or toolchain is another study."""
+def study_name(problem: Problem, env: Environment, space: spaces.Space | None = None) -> str:
+    """The study of ``problem`` on this stack: a different GPU or toolchain is another study, and so
+    is a search with parameters held fixed (``space.fixed``)."""
     p = problem
-    return f"{p.variant}-k{p.dk}-v{p.dv}-{p.dtype}-b{p.batch}-t{p.seqlen}-h{p.heads}@{env.key()}"
+    fixed = "".join(f"+{name}={value}" for name, value in (space.fixed if space else ()))
+    return f"{p.variant}-k{p.dk}-v{p.dv}-{p.dtype}-b{p.batch}-t{p.seqlen}-h{p.heads}{fixed}@{env.key()}"
 
 
 def tune(problem: Problem, *, trials: int | None = None, timeout: float | None = None,
          db: str = "results.db", storage: str | None = None, jobs: int = 2, gpu: int = 0,
-         register_budget: int = 255, progress: bool = True, gate=None) -> TuneSummary:
+         register_budget: int = 255, progress: bool = True, gate=None, fixed: dict | None = None) -> TuneSummary:
     """Search ``problem``'s config space and record every outcome and the winner.
 
     Args:
@@ -138,6 +140,8 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         progress (bool): show a progress bar and the summary table. Default: True.
         gate (callable): ``gate(problem, config, timeout_s=, device=) -> GateResult`` to gate and time
             with; None: :func:`tuner.gate.gate_and_time` when a GPU is present, no gating otherwise.
+        fixed (dict): parameters held at one value (name -> value; CLI ``--fix NAME=VALUE``): a
+            search of the rest of the space, in a study of its own. Default: None.
 
     Returns:
         TuneSummary
@@ -148,6 +152,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         if value is not None and value < 1:
             raise UserError(f"--{label} must be a positive number, got {value}")
     store = Store(storage or db)  # first: a database that cannot be used fails before any work
+    space = spaces.load(problem.variant).fix(fixed or {})
     if gate is None and environment.has_gpu():
         gate = gate_and_time
     env = environment.current(gpu)
@@ -155,8 +160,8 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         # Heartbeats, group sampling and fail_stale_trials are used on purpose (with ask/tell).
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-        study = _open_study(problem, env, store)
-        tuner = _Tuner(problem, env, store, study, jobs=jobs, gpu=gpu, budget=register_budget, gate=gate)
+        study = _open_study(problem, env, store, space)
+        tuner = _Tuner(problem, env, store, study, space, jobs=jobs, gpu=gpu, budget=register_budget, gate=gate)
         tuner.run(trials, timeout, progress)
         return tuner.summary()
 
@@ -167,7 +172,7 @@ def tune_main(problem: Problem, args) -> int:
     if args.gpus is not None:
         return tune_on_gpus(problem, args, select_gpus(args.gpus))
     summary = tune(problem, trials=args.trials, timeout=args.timeout, db=args.db, storage=args.storage,
-                   jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget)
+                   jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget, fixed=args.fix)
     print_summary(summary)
     return 0
 
@@ -208,10 +213,11 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
         int: 0 when every worker succeeded, else the first failing worker's exit code.
     """
     store = Store(args.storage or args.db)
+    space = spaces.load(problem.variant).fix(args.fix)
     env = environment.current(devices[0])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        name = _open_study(problem, env, store).study_name  # created once, before the workers race to
+        name = _open_study(problem, env, store, space).study_name  # created once, before the workers race to
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     physical = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
     command = [sys.executable, "-m", "tuner.cli", "run", "--variant", problem.variant,
@@ -221,6 +227,7 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
     for option, value in (("--trials", args.trials), ("--timeout", args.timeout)):
         if value is not None:
             command += [option, str(value)]
+    command += [f"--fix={name}={value}" for name, value in space.fixed]
     workers = []
     try:
         for device in devices:
@@ -238,20 +245,20 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
                 w.send_signal(signal.SIGINT)
         for w in workers:
             w.wait()
-        print_summary(summarise(problem, store, name, gated=True))
+        print_summary(summarise(problem, store, name, space, gated=True))
         raise
-    print_summary(summarise(problem, store, name, gated=True))
+    print_summary(summarise(problem, store, name, space, gated=True))
     failed = [(device, code) for device, code in zip(devices, codes) if code != 0]
     for device, code in failed:
         print(f"tune: the worker on GPU {device} exited with {code}; see its log", file=sys.stderr)
     return failed[0][1] if failed else 0
 
 
-def _open_study(problem: Problem, env: Environment, store: Store) -> optuna.Study:
-    """The study in ``store``'s database, created with the template's default config first in
-    line when it is new."""
+def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.Space) -> optuna.Study:
+    """The study of ``space`` in ``store``'s database, created with the space's default config
+    first in line when it is new."""
     engine_kwargs = {"connect_args": {"timeout": store.busy_timeout_s}} if store.path is not None else {}
-    name = study_name(problem, env)
+    name = study_name(problem, env, space)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with store.schema_lock():  # Optuna creates its tables, and a new study, without guarding against a race
         storage = optuna.storages.RDBStorage(
@@ -268,7 +275,7 @@ def _open_study(problem: Problem, env: Environment, store: Store) -> optuna.Stud
         study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                     sampler=sampler, load_if_exists=True)
         if not study.trials:
-            study.enqueue_trial(spaces.load(problem.variant).default(problem))
+            study.enqueue_trial(space.default(problem))
     for key, value in {**problem.as_dict(), **env.as_dict()}.items():
         study.set_user_attr(key, value)
     return study
@@ -295,9 +302,8 @@ def _is_dead_here(worker: str | None) -> bool:
 class _Tuner:
     """One run of the loop over a study: owns the pools, the queue for the GPU and the counts."""
 
-    def __init__(self, problem, env, store, study, *, jobs, gpu, budget, gate):
-        self.problem, self.env, self.store, self.study = problem, env, store, study
-        self.space = spaces.load(problem.variant)
+    def __init__(self, problem, env, store, study, space, *, jobs, gpu, budget, gate):
+        self.problem, self.env, self.store, self.study, self.space = problem, env, store, study, space
         self.jobs, self.gpu, self.budget, self.gate = jobs, gpu, budget, gate
         rows = store.trials(study.study_name)
         self.judged = {r.digest: r for r in rows if _is_judgement(r)}
@@ -617,7 +623,7 @@ class _Tuner:
             study=row.study, trial_number=row.number), gate_status=row.status)
 
     def summary(self) -> TuneSummary:
-        return summarise(self.problem, self.store, self.study.study_name, gated=self.gate is not None)
+        return summarise(self.problem, self.store, self.study.study_name, self.space, gated=self.gate is not None)
 
 
 def best(problem: Problem, store: Store, study: str) -> TrialRecord | None:
@@ -629,10 +635,11 @@ def best(problem: Problem, store: Store, study: str) -> TrialRecord | None:
     return None
 
 
-def summarise(problem: Problem, store: Store, study: str, gated: bool) -> TuneSummary:
-    """The :class:`TuneSummary` of ``study`` as recorded in ``store``, over all its workers."""
+def summarise(problem: Problem, store: Store, study: str, space: spaces.Space, gated: bool) -> TuneSummary:
+    """The :class:`TuneSummary` of ``study`` (a search of ``space``) as recorded in ``store``, over
+    all its workers."""
     rows = store.trials(study)
-    default_digest = _digest(problem, spaces.load(problem.variant).default(problem))
+    default_digest = _digest(problem, space.default(problem))
     default = next((r for r in rows if r.digest == default_digest and r.repeat_of is None), None)
     return TuneSummary(study, Counter(r.status for r in rows), best(problem, store, study), default, gated=gated)
 

@@ -10,7 +10,7 @@ and ``smem_limit``: the shared memory the model computes for the config and the 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -44,6 +44,8 @@ class Space:
     variant: str
     params: dict[str, Parameter]
     constraints: tuple[Constraint, ...] = field(default_factory=tuple)
+    # (name, value) pairs held at one value by :meth:`fix`.
+    fixed: tuple[tuple[str, Any], ...] = ()
 
     def active(self, name: str, config: dict) -> bool:
         """Whether parameter ``name`` applies given the other values in ``config``."""
@@ -63,10 +65,23 @@ class Space:
         """The default config with ``overrides`` (name -> value, possibly strings) applied."""
         config = {name: p.default for name, p in self.params.items()}
         for name, raw in overrides.items():
-            if name not in self.params:
-                raise UserError(f"unknown parameter {name!r} for {self.variant}; accepted: {', '.join(self.params)}")
-            config[name] = self._coerce(self.params[name], raw)
+            config[name] = self._coerce(self._parameter(name), raw)
         return self.normalise(config)
+
+    def fix(self, values: dict) -> Space:
+        """This space with each parameter of ``values`` (name -> value, possibly a string) held at
+        that value: the space of a search that leaves those parameters alone."""
+        params, fixed = dict(self.params), dict(self.fixed)
+        for name, raw in values.items():
+            value = self._coerce(self._parameter(name), raw)
+            params[name] = replace(params[name], values=(value,), default=value)
+            fixed[name] = value
+        return replace(self, params=params, fixed=tuple(fixed.items()))
+
+    def _parameter(self, name: str) -> Parameter:
+        if name not in self.params:
+            raise UserError(f"unknown parameter {name!r} for {self.variant}; accepted: {', '.join(self.params)}")
+        return self.params[name]
 
     def violations(self, problem: Problem, config: dict) -> list[str]:
         """The reasons ``config`` is refused for ``problem``; empty when it is valid."""
