@@ -3,7 +3,8 @@
 For every variant and shape: the same inputs go through ``tuner.ops`` (the stored winner for
 this GPU) and FLA's op (with ``FLA_DISABLE_BACKEND_DISPATCH=1``, so FLA runs its own Triton
 kernels); both are timed with CUDA events and an L2 flush; the outputs are compared with each
-other (relative L2) and the floor is the time to move the bytes that must move at the copy rate
+other (relative L2 of the output and of the final state, for every ``tuner.ops`` function of the
+variant, against the gate's tolerance) and the floor is the time to move the bytes that must move at the copy rate
 measured on the H200. Prints a table and writes JSON.
 
     FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
@@ -34,25 +35,37 @@ def fla_ops():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.gla import chunk_gla
     from fla.ops.kda import chunk_kda
+    from fla.ops.linear_attn import chunk_linear_attn
     from fla.ops.retention import chunk_retention
     from fla.ops.simple_gla import chunk_simple_gla
 
-    return types.SimpleNamespace(chunk_simple_gla=chunk_simple_gla, chunk_retention=chunk_retention,
-                                 chunk_gla=chunk_gla, chunk_gated_delta_rule=chunk_gated_delta_rule,
-                                 chunk_kda=chunk_kda)
+    return types.SimpleNamespace(chunk_linear_attn=chunk_linear_attn, chunk_simple_gla=chunk_simple_gla,
+                                 chunk_retention=chunk_retention, chunk_gla=chunk_gla,
+                                 chunk_gated_delta_rule=chunk_gated_delta_rule, chunk_kda=chunk_kda)
 
 
-def op_call(impl, variant: str, x: dict):
-    """``variant``'s op of ``impl`` (``tuner.ops`` or FLA's) on the inputs ``x``: the anchor table's calls."""
+def op_calls(impl, variant: str, x: dict, **options) -> dict:
+    """``variant``'s ops of ``impl`` (``tuner.ops`` or FLA's) on the inputs ``x``, by name; the first
+    is the anchor table's call, the one timed."""
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     return {
-        "linear": lambda: impl.chunk_simple_gla(q, k, v),
-        "decay": lambda: impl.chunk_retention(q, k, v),
-        "simple_gla": lambda: impl.chunk_simple_gla(q, k, v, g),
-        "gla": lambda: impl.chunk_gla(q, k, v, g),
-        "gdn": lambda: impl.chunk_gated_delta_rule(q, k, v, g, beta),
-        "kda": lambda: impl.chunk_kda(q, k, v, g, beta),
+        "linear": {"chunk_simple_gla": lambda: impl.chunk_simple_gla(q, k, v, **options),
+                   "chunk_linear_attn": lambda: impl.chunk_linear_attn(q, k, v, **options)},
+        "decay": {"chunk_retention": lambda: impl.chunk_retention(q, k, v, **options)},
+        "simple_gla": {"chunk_simple_gla": lambda: impl.chunk_simple_gla(q, k, v, g, **options)},
+        "gla": {"chunk_gla": lambda: impl.chunk_gla(q, k, v, g, **options)},
+        "gdn": {"chunk_gated_delta_rule": lambda: impl.chunk_gated_delta_rule(q, k, v, g, beta, **options)},
+        "kda": {"chunk_kda": lambda: impl.chunk_kda(q, k, v, g, beta, **options)},
     }[variant]
+
+
+def compare(ours, fla, tolerance: float) -> dict:
+    """Relative L2 of ``o`` and of the final state (ours, FLA's calls with the final state out)."""
+    (o, state), (fla_o, fla_state) = ours(), fla()
+    if isinstance(state, tuple):  # chunk_linear_attn's (kv state, key sum) with normalize: FLA returns the first
+        state = state[0]
+    errors = {"o": rel_l2(o, fla_o), "final_state": rel_l2(state, fla_state)}
+    return {**errors, "within_tolerance": max(errors.values()) <= tolerance}
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,9 +80,13 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> d
     row = {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": B, "seqlen": T, "heads": H,
            "floor_ms": memory_floor_ms(problem)}
     try:
-        ours, fla = op_call(ops, variant, x), op_call(fla_ops(), variant, x)
-        o_ours, o_fla = ours()[0], fla()[0]
-        row["rel_l2_vs_fla"] = rel_l2(o_ours, o_fla)
+        ours, fla = op_calls(ops, variant, x), op_calls(fla_ops(), variant, x)
+        with_state = op_calls(ops, variant, x, output_final_state=True), op_calls(fla_ops(), variant, x,
+                                                                               output_final_state=True)
+        row["vs_fla"] = {name: compare(with_state[0][name], with_state[1][name], problem.tolerance) for name in ours}
+        row["rel_l2_vs_fla"] = max(max(c["o"], c["final_state"]) for c in row["vs_fla"].values())
+        row["within_tolerance"] = all(c["within_tolerance"] for c in row["vs_fla"].values())
+        ours, fla = next(iter(ours.values())), next(iter(fla.values()))
         row["ours_ms"] = time_forward(ours).median_ms
         row["fla_ms"] = time_forward(fla).median_ms
         row["ratio"] = row["ours_ms"] / row["fla_ms"]
@@ -80,7 +97,8 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> d
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'variant':<11}{'D':>4} {'B x T x H':<13}{'ours ms':>9}{'FLA ms':>9}{'ours/FLA':>9}{'floor ms':>9}{'floor/ours':>11}{'relL2':>9}"
+    head = (f"{'variant':<11}{'D':>4} {'B x T x H':<13}{'ours ms':>9}{'FLA ms':>9}{'ours/FLA':>9}{'floor ms':>9}"
+            f"{'floor/ours':>11}{'relL2':>9}  tol")
     lines = [head, "-" * len(head)]
     for r in rows:
         shape = f"{r['batch']}x{r['seqlen']}x{r['heads']}"
@@ -88,7 +106,8 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}  error: {r['error'][:80]}")
             continue
         lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}{r['ours_ms']:>9.3f}{r['fla_ms']:>9.3f}"
-                     f"{r['ratio']:>9.2f}{r['floor_ms']:>9.3f}{r['floor_fraction']:>11.2f}{r['rel_l2_vs_fla']:>9.1e}")
+                     f"{r['ratio']:>9.2f}{r['floor_ms']:>9.3f}{r['floor_fraction']:>11.2f}{r['rel_l2_vs_fla']:>9.1e}"
+                     f"  {'ok' if r['within_tolerance'] else 'OVER'}")
     return "\n".join(lines)
 
 
