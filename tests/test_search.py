@@ -234,3 +234,34 @@ def test_fixed_parameters_hold_in_every_trial_of_a_study_of_their_own(tmp_path, 
     first = min(records, key=lambda r: r.number)  # the held space's default, enqueued first
     assert first.config == space.load("linear").complete(SMALL, {"num_stages": 0, "block_dv": 32})
     assert gated and all(c["num_stages"] == 0 for c in gated)
+
+
+@pytest.mark.slow
+def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.gate import GateResult
+    from tuner.render import Rendered
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(search, "COMPILE_TIMEOUT_S", 5.0)
+    stuck, fine = (c for c, _ in BEHAVIOURS[:2])
+    # Modules whose programs() the compile process calls: the stuck config's never returns, the
+    # others (its twin included) have nothing to compile.
+    hanging = "import time\n\n\ndef programs():\n    time.sleep(3600)\n"
+    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
+        problem, config, hanging if config == stuck else f"def programs():\n    return []\n# {config}\n"))
+    db = tmp_path / "results.db"
+    enqueue(db, SMALL, [stuck, fine])
+    gated = []
+
+    def refusing_gate(problem, config, *, timeout_s, device):
+        gated.append(config)
+        return GateResult("mismatch", message="not run")
+
+    start = time.monotonic()
+    search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False, gate=refusing_gate)
+    by_stages = {r.config["num_stages"]: r for r in Store(db).trials()}
+    assert by_stages[2].status == "hang" and "compile still running after 5 s" in by_stages[2].reason
+    assert by_stages[1].status == "mismatch" and gated == [fine]
+    assert time.monotonic() - start < 60

@@ -55,6 +55,9 @@ from .store import Store, TrialRecord, Winner, utcnow
 
 DEFAULT_TRIALS = 40
 GATE_TIMEOUT_S = 300.0
+# A compile running this long is stuck (they take 10-60 s, nvcc included): its pool is killed, it
+# is recorded as a hang and the others are compiled again.
+COMPILE_TIMEOUT_S = 240.0
 # A RUNNING trial whose worker has not beaten for GRACE_S is failed by the other workers.
 HEARTBEAT_S = 30
 GRACE_S = 120
@@ -106,6 +109,7 @@ class _Candidate:
     digest: str | None = None
     rendered: object = None
     twin: object = None  # the rendered num_stages = 0 twin of a staged config (the gate compares them)
+    compile_running_since: float | None = None  # monotonic time its compile was first seen running
     prediction: dict | None = None
     compile: dict | None = None
 
@@ -419,6 +423,7 @@ class _Tuner:
                         pool = self._compiled(future, compiling.pop(future), compiling, pool, context)
                     elif future in gating:
                         self._gated(future, gating.pop(future))
+                pool = self._watch_compiles(compiling, pool, context)
                 for candidate in self.in_flight.values():
                     self.study._storage.record_heartbeat(candidate.trial._trial_id)
                 if bar:
@@ -554,6 +559,30 @@ class _Tuner:
             self.gpu_queue.append(candidate)
         return pool
 
+    def _watch_compiles(self, compiling, pool, context):
+        """The compile watchdog: a compile running for COMPILE_TIMEOUT_S is recorded as a hang; as
+        a process pool cannot stop one task, its workers are killed and the other compiles are
+        submitted again to a new pool. Returns the pool."""
+        now = time.monotonic()
+        for future, candidate in compiling.items():
+            if candidate.compile_running_since is None and future.running():
+                candidate.compile_running_since = now
+        stuck = [f for f, c in compiling.items()
+                 if c.compile_running_since is not None and now - c.compile_running_since > COMPILE_TIMEOUT_S]
+        if not stuck:
+            return pool
+        for future in stuck:
+            self._finish(compiling.pop(future), "hang",
+                         f"compile still running after {COMPILE_TIMEOUT_S:g} s; its process was killed")
+        _kill_workers(pool)
+        pool = self._compile_pool(context)
+        resubmit = list(compiling.values())
+        compiling.clear()
+        for c in resubmit:
+            c.compile_running_since = None
+            compiling[pool.submit(_compile, c.rendered, c.twin)] = c
+        return pool
+
     def _gate(self, candidate: _Candidate):
         start = time.monotonic()
         result = self.gate(self.problem, candidate.config, timeout_s=GATE_TIMEOUT_S, device=self.gpu)
@@ -670,6 +699,13 @@ def _quiet(log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
+    """Kill a process pool's workers (the executor has no public way before Python 3.14)."""
+    for process in list((pool._processes or {}).values()):
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _compile(rendered, twin=None) -> dict:
