@@ -189,6 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--gate-jobs", type=int, default=8, help="gate children at once on the GPU")
     p.add_argument("--repeats", type=int, default=3, help="searches per trial budget")
     p.add_argument("--replay-only", action="store_true", help="skip the sweep: replay on the recorded JSON")
+    p.add_argument("--sweep-only", action="store_true", help="stop after the sweep (replay later, on a CPU)")
     p.add_argument("--time-worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.time_worker:
@@ -214,6 +215,8 @@ def main(argv=None) -> int:
     sweep_seconds = sum(r["gpu_seconds"] for r in measured.values())
     print(f"sweep: {len(measured)} GPU trials, {sweep_seconds:.0f} GPU-s, best {best:.3f} ms "
           f"({len(passed)} passed the gate)")
+    if args.sweep_only:
+        return 0
     for trials in (30, 60):
         runs = [replay(problem, fixed, measured, trials) for _ in range(args.repeats)]
         found = [r["best_ms"] for r in runs if r["best_ms"] is not None]

@@ -265,3 +265,39 @@ def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeyp
     assert by_stages[2].status == "hang" and "compile still running after 5 s" in by_stages[2].reason
     assert by_stages[1].status == "mismatch" and gated == [fine]
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.gate import GateResult
+    from tuner.render import Rendered
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
+        problem, config, f"def programs():\n    return []\n# {config}\n"))  # nothing to compile: all queue at once
+    db = tmp_path / "results.db"
+    default = space.load("linear").default(SMALL)
+    others = [space.load("linear").complete(SMALL, {"block_dv": bdv, "num_stages": n})
+              for bdv in (16, 32) for n in (0, 1)]
+    name = enqueue(db, SMALL, [*others, default])  # the default asked last
+    gated = []
+
+    def slow_gate(problem, config, *, timeout_s, device):
+        gated.append(config)
+        time.sleep(4)
+        return GateResult("mismatch", message="not run")
+
+    start = time.monotonic()
+    search.tune(SMALL, timeout=2, db=str(db), jobs=4, progress=False, gate=slow_gate)
+    # The deadline, the gate in progress and the default's (kept as the baseline), not the whole queue.
+    assert time.monotonic() - start < 2 + 2 * 4 + 10
+    assert default in gated[:2] and len(gated) == 2
+    judged = [r.config for r in Store(db).trials() if r.status == "mismatch"]
+    assert sorted(map(str, judged)) == sorted(map(str, gated))  # nothing queued left a row
+    trials = optuna.load_study(study_name=name, storage=f"sqlite:///{db}").trials
+    assert not [t for t in trials if t.state.name == "RUNNING"]
+    given_back = [t.params for t in trials if t.state.name == "FAIL"]
+    waiting = [t.system_attrs["fixed_params"] for t in trials if t.state.name == "WAITING"]  # enqueued configs
+    assert given_back and sorted(map(str, given_back)) == sorted(map(str, waiting))  # re-proposed for the next run

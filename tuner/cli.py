@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem(run)
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=_positive, metavar="N", help="number of trials (default 40)")
-    budget.add_argument("--timeout", type=_positive, metavar="S", help="stop starting trials after S seconds")
+    budget.add_argument("--timeout", type=_positive, metavar="S", help="stop after S seconds plus the gate in progress; queued trials "
+                                                                          "are given back to the study for the next run")
     _add_db(run)
     run.add_argument("--storage", metavar="URL",
                      help="database URL shared by workers on several hosts, e.g. postgresql://user:pw@host/db: "

@@ -134,7 +134,8 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
     Args:
         problem (Problem): what to tune.
         trials (int): total judged trials the study should hold. Default: 40 (unless ``timeout``).
-        timeout (float): stop proposing configs after this many seconds. Default: None.
+        timeout (float): after this many seconds, finish the gate in progress and give the trials
+            still queued back to the study (re-proposed first on resume). Default: None.
         db (str): the results database (path or URL) and the study's storage, unless ``storage``.
         storage (str): a database URL (e.g. ``postgresql://...``) shared by several workers: the
             study and the results both live there, in place of ``db``. Default: None.
@@ -393,6 +394,8 @@ class _Tuner:
                     raise KeyboardInterrupt
                 self.recover()  # another worker of the study may have died since the last look
                 open_for_more = self._open_for_more(trials, deadline)
+                if deadline is not None and time.monotonic() >= deadline:
+                    pool = self._give_back_queued(compiling, pool, context)
                 # Keep every compile process busy plus one compiled kernel waiting for the GPU.
                 while open_for_more and len(compiling) + len(self.gpu_queue) < self.jobs + 1:
                     candidate = self._propose()
@@ -555,8 +558,29 @@ class _Tuner:
             self._finish(candidate, "screen", "; ".join(report["rejected"]))
         elif self.gate is None:
             self._finish(candidate, "compiled", "compiled; latency needs a GPU")
+        elif candidate.config == self.space.default(self.problem):
+            self.gpu_queue.appendleft(candidate)  # the baseline goes first: a short run still measures it
         else:
             self.gpu_queue.append(candidate)
+        return pool
+
+    def _give_back_queued(self, compiling, pool, context):
+        """At the deadline, the trials not yet on the GPU (compiling, or compiled and queued) are
+        given back: failed, their configs re-proposed first when the study resumes. The run then
+        ends after the gate in progress, not after the whole queue; the default config alone is
+        kept, as the baseline. Returns the compile pool (a new one when compiles were dropped)."""
+        default = self.space.default(self.problem)
+        dropped = {f: c for f, c in compiling.items() if c.config != default}
+        queued = [c for c in self.gpu_queue if c.config != default]
+        for future in dropped:
+            del compiling[future]
+        self.gpu_queue = deque(c for c in self.gpu_queue if c.config == default)
+        for candidate in [*dropped.values(), *queued]:
+            self.in_flight.pop(candidate.number, None)
+            self._abandon(candidate.trial._trial_id, candidate.trial.params)
+        if dropped and not compiling:  # nothing left worth waiting for in the pool
+            _kill_workers(pool)
+            pool = self._compile_pool(context)
         return pool
 
     def _watch_compiles(self, compiling, pool, context):
