@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one worker process per CUDA device, all on the same study (needs CUDA devices)")
     run.add_argument("--register-budget", type=_positive, default=255, metavar="R",
                      help="prune configs predicted above R registers per thread (default 255)")
-    run.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE",
+    run.add_argument("--fix", action="append", default=[], type=_name_value, metavar="NAME=VALUE",
                      help="hold one template parameter at a value and search the rest (repeatable; "
                           "a study of its own)")
 
@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--vs-fla", metavar="PATH",
                       help="FLA comparison written by benchmarks/vs_fla.py (default: benchmarks/vs_fla.json)")
     return parser
+
+
+def _name_value(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {item!r}")
+    return name.strip(), value.strip()
 
 
 def parse_overrides(items: list[str], option: str = "--set") -> dict[str, str]:
@@ -223,7 +230,6 @@ def _cmd_calibrate(args) -> int:
 
 def _cmd_run(args) -> int:
     problem = problem_from(args)
-    args.fix = parse_overrides(args.fix, "--fix")
     from . import search
 
     return search.tune_main(problem, args)

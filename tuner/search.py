@@ -54,6 +54,11 @@ from .render import RenderError, render
 from .store import Store, TrialRecord, Winner, utcnow
 
 DEFAULT_TRIALS = 40
+# Outcomes that cost no compile (a broken constraint, a model prune) and repeats of a kernel already
+# judged: free, so not counted against --trials. After this many free proposals in a row the space
+# is taken as searched out (TPE keeps proposing what it has seen).
+FREE_STATUSES = ("constraint", "pruned")
+MAX_FREE_STREAK = 200
 GATE_TIMEOUT_S = 300.0
 # A compile running this long is stuck (they take 10-60 s, nvcc included): its pool is killed, it
 # is recorded as a hang and the others are compiled again.
@@ -133,7 +138,8 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
 
     Args:
         problem (Problem): what to tune.
-        trials (int): total judged trials the study should hold. Default: 40 (unless ``timeout``).
+        trials (int): kernels the study should have compiled and judged (broken constraints,
+            model prunes and repeats are free and not counted). Default: 40 (unless ``timeout``).
         timeout (float): after this many seconds, finish the gate in progress and give the trials
             still queued back to the study (re-proposed first on resume). Default: None.
         db (str): the results database (path or URL) and the study's storage, unless ``storage``.
@@ -156,8 +162,8 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
     for label, value in (("trials", trials), ("timeout", timeout), ("jobs", jobs), ("register-budget", register_budget)):
         if value is not None and value < 1:
             raise UserError(f"--{label} must be a positive number, got {value}")
-    store = Store(storage or db)  # first: a database that cannot be used fails before any work
-    space = spaces.load(problem.variant).fix(fixed or {})
+    space = spaces.load(problem.variant).fix(fixed or {})  # bad input fails before the database is touched
+    store = Store(storage or db)  # then a database that cannot be used fails before any work
     if gate is None and environment.has_gpu():
         gate = gate_and_time
     env = environment.current(gpu)
@@ -177,7 +183,7 @@ def tune_main(problem: Problem, args) -> int:
     if args.gpus is not None:
         return tune_on_gpus(problem, args, select_gpus(args.gpus))
     summary = tune(problem, trials=args.trials, timeout=args.timeout, db=args.db, storage=args.storage,
-                   jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget, fixed=args.fix)
+                   jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget, fixed=dict(args.fix))
     print_summary(summary)
     return 0
 
@@ -217,8 +223,8 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
     Returns:
         int: 0 when every worker succeeded, else the first failing worker's exit code.
     """
+    space = spaces.load(problem.variant).fix(dict(args.fix))
     store = Store(args.storage or args.db)
-    space = spaces.load(problem.variant).fix(args.fix)
     env = environment.current(devices[0])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -318,6 +324,9 @@ class _Tuner:
         self.waiting_on: dict[str, list[_Candidate]] = {}
         self.gpu_queue: deque[_Candidate] = deque()
         self.breaks: Counter = Counter()  # digest -> compile pools it was in when they died
+        self.free_streak = 0  # proposals in a row that brought no new kernel
+        # trials of the study that repeated a judged kernel's outcome (not counted by --trials)
+        self.repeats = sum(r.repeat_of is not None and r.status not in FREE_STATUSES for r in rows)
         self.compile_log = _log_base(store) + ".compile.log"
 
     # ---- recovery
@@ -408,8 +417,12 @@ class _Tuner:
                     candidate = self.gpu_queue.popleft()
                     gating[gpu_pool.submit(self._gate, candidate)] = candidate
                 if not compiling and not gating and not self.waiting_on:
-                    if not open_for_more:
+                    # asked again: repeats settled just above are free, which may reopen the budget
+                    if not self._open_for_more(trials, deadline):
                         self._outwait_orphans()
+                        if self.free_streak >= MAX_FREE_STREAK:
+                            print(f"tune: note: the last {self.free_streak} proposals brought no new kernel "
+                                  "(broken constraints, model prunes, repeats): the space looks searched out")
                         break
                     continue
                 futures = [*compiling, *gating]
@@ -448,12 +461,17 @@ class _Tuner:
                                       initargs=(self.compile_log,))
 
     def _open_for_more(self, trials: int | None, deadline: float | None) -> bool:
-        """Whether to propose another config: before the deadline, and while the trials judged
-        or being judged, by any worker of the study, are fewer than ``trials``."""
+        """Whether to propose another config: before the deadline, while the kernels judged or
+        being judged, by any worker of the study, are fewer than ``trials``, and while proposals
+        still bring new kernels (fewer than MAX_FREE_STREAK free ones in a row)."""
         if deadline is not None and time.monotonic() >= deadline:
             return False
+        if self.free_streak >= MAX_FREE_STREAK:
+            return False
         states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-        return trials is None or len(self.study.get_trials(deepcopy=False, states=states)) < trials
+        counted = [t for t in self.study.get_trials(deepcopy=False, states=states)
+                   if t.user_attrs.get("status") not in FREE_STATUSES and "repeat_of" not in t.user_attrs]
+        return trials is None or len(counted) < trials
 
     def _propose(self) -> _Candidate | None:
         """Ask for a config and take it as far as the CPU can without compiling; the candidate
@@ -649,11 +667,16 @@ class _Tuner:
     def _settle(self, candidate: _Candidate, record: TrialRecord) -> None:
         self.store.record_trial(record)
         self._tell(candidate.trial, record)
+        free = record.status in FREE_STATUSES or record.repeat_of is not None
+        self.free_streak = self.free_streak + 1 if free else 0
+        self.repeats += record.repeat_of is not None and record.status not in FREE_STATUSES
         self.in_flight.pop(candidate.number, None)
         self.counts[record.status] += 1
 
     def _tell(self, trial: optuna.Trial, record: TrialRecord, skip_if_finished: bool = False) -> None:
         trial.set_user_attr("status", record.status)
+        if record.repeat_of is not None:
+            trial.set_user_attr("repeat_of", record.repeat_of)
         if record.reason:
             trial.set_user_attr("reason", record.reason[:500])
         if record.status == "pass" and record.median_ms is not None:
@@ -786,7 +809,8 @@ def print_summary(summary: TuneSummary) -> None:
 
 
 class _Progress:
-    """A rich progress bar: trials judged, pruned, failed and the best latency so far."""
+    """A rich progress bar: kernels judged (as ``--trials`` counts them), pruned, failed and the
+    best latency so far."""
 
     def __init__(self, tuner: _Tuner, total: int | None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -804,7 +828,8 @@ class _Progress:
         text = (f"pruned {c['pruned'] + c['constraint']}, failed {sum(c[s] for s in _FAILED)}, "
                 f"compiled {c['compiled']}, passed {c['pass']}"
                 + (f", best {best:.4f} ms" if best is not None else ""))
-        self.progress.update(self.task, completed=sum(c.values()), description=text)
+        counted = sum(n for status, n in c.items() if status not in FREE_STATUSES) - self.tuner.repeats
+        self.progress.update(self.task, completed=counted, description=text)
 
     def close(self) -> None:
         self.update()
