@@ -65,12 +65,6 @@ def pg_url():
     engine.dispose()
 
 
-@pytest.fixture
-def cache_env(tmp_path):
-    """A fresh kernel cache, so the workers really compile."""
-    return {**os.environ, "LINATTN_CACHE": str(tmp_path / "cache")}
-
-
 def enqueue(url, problem, queued):
     """Create the study the workers will share, with these configs first in line."""
     study = optuna.create_study(storage=url, direction="minimize",

@@ -47,12 +47,6 @@ def optuna_states(db):
     return dict(query(db, "SELECT number, state FROM trials"))
 
 
-@pytest.fixture
-def cache_env(tmp_path):
-    """A fresh kernel cache, so the first run really compiles."""
-    return {**os.environ, "LINATTN_CACHE": str(tmp_path / "cache")}
-
-
 @pytest.mark.slow
 def test_compile_only_study_survives_kill_9_and_resumes_without_loss_or_duplicates(tmp_path, cache_env):
     db = tmp_path / "results.db"
@@ -299,7 +293,8 @@ def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tm
     search.tune(SMALL, timeout=2, db=str(db), jobs=4, progress=False, gate=slow_gate)
     # The deadline, the gate in progress and the default's (kept as the baseline), not the whole queue.
     assert time.monotonic() - start < 2 + 2 * 4 + 10
-    assert default in gated[:2] and len(gated) == 2
+    # The gate in progress at the deadline, if any (a slow start leaves none), then the default.
+    assert gated[-1] == default and len(gated) <= 2
     judged = [r.config for r in Store(db).trials() if r.status == "mismatch"]
     assert sorted(map(str, judged)) == sorted(map(str, gated))  # nothing queued left a row
     trials = optuna.load_study(study_name=name, storage=f"sqlite:///{db}").trials
