@@ -225,6 +225,10 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
     """
     space = spaces.load(problem.variant).fix(dict(args.fix))
     store = Store(args.storage or args.db)
+    if threading.current_thread() is threading.main_thread():
+        # Started as a background job, the process inherits SIGINT ignored: take it back, so that
+        # an interrupt still reaches the workers (the loop below passes it on).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     env = environment.current(devices[0])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
