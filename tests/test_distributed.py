@@ -276,7 +276,8 @@ def test_ctrl_c_to_the_parent_reaches_every_worker_and_they_give_back_their_tria
     study_trials, records = assert_each_trial_recorded_once_and_no_kernel_judged_twice(f"sqlite:///{db}", names[0])
     assert "RUNNING" not in {t.state.name for t in study_trials}
     given_back = [t for t in study_trials if t.state.name == "FAIL"]  # both were mid-trial: each gave one back
-    assert len({t.user_attrs["worker"] for t in given_back}) == 2 and len(records) < 20
+    compiled = [r for r in records if r.status not in ("constraint", "pruned") and r.repeat_of is None]
+    assert len({t.user_attrs["worker"] for t in given_back}) == 2 and len(compiled) < 20  # cut short
     requeued = [t.system_attrs["fixed_params"] for t in study_trials if t.state.name == "WAITING"]
     assert all(t.params in requeued for t in given_back)
 
