@@ -154,3 +154,17 @@ def test_lookup_reads_while_a_tuner_writes(tmp_path):
         assert got.source == "exact" and got.row.median_ms == pytest.approx(0.3)  # the committed state
     finally:
         writer.wait()
+
+
+def test_the_shipped_database_is_read_without_side_files(tmp_path, monkeypatch):
+    # Installed packages may sit in read-only folders: a WAL database would need -wal/-shm files
+    # beside it to be read. The shipped one is in rollback-journal mode and a lookup writes nothing.
+    import shutil
+
+    shipped = tmp_path / "results.db"
+    shutil.copy(lookup.ROOT / "results.db", shipped)  # the real one (the fixture above points elsewhere)
+    assert shipped.read_bytes()[18:20] == b"\x01\x01"  # file format: rollback journal, not WAL
+    monkeypatch.setattr(lookup, "SHIPPED_DB", shipped)
+    found = best_config("gdn", 128, device=None)
+    assert found.source in ("exact", "nearest_bucket", "same_arch", "default")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.db"]
