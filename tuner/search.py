@@ -413,10 +413,10 @@ class _Tuner:
                 while open_for_more and len(compiling) + len(self.gpu_queue) < self.jobs + 1:
                     candidate = self._propose()
                     if candidate is not None:
-                        compiling[pool.submit(_compile, candidate.rendered, candidate.twin)] = candidate
+                        _submit(pool, compiling, candidate)
                     open_for_more = self._open_for_more(trials, deadline)
                 for candidate in self._resolve_waiting():
-                    compiling[pool.submit(_compile, candidate.rendered, candidate.twin)] = candidate
+                    _submit(pool, compiling, candidate)
                 if self.gpu_queue and not gating:
                     candidate = self.gpu_queue.popleft()
                     gating[gpu_pool.submit(self._gate, candidate)] = candidate
@@ -463,6 +463,17 @@ class _Tuner:
     def _compile_pool(self, context) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_quiet,
                                       initargs=(self.compile_log,))
+
+    def _new_pool(self, pool, context, compiling, first: _Candidate | None = None) -> cf.ProcessPoolExecutor:
+        """A new compile pool in place of ``pool`` (its workers killed), with ``first`` and every
+        compile of ``compiling`` submitted to it again; returns it."""
+        _kill_workers(pool)
+        pool = self._compile_pool(context)
+        resubmit = [*([first] if first else []), *compiling.values()]
+        compiling.clear()
+        for candidate in resubmit:
+            _submit(pool, compiling, candidate)
+        return pool
 
     def _open_for_more(self, trials: int | None, deadline: float | None) -> bool:
         """Whether to propose another config: before the deadline, while the kernels judged or
@@ -561,15 +572,9 @@ class _Tuner:
             if self.breaks[candidate.digest] >= 2:
                 self._finish(candidate, "crash", "the compiler process died twice while compiling this kernel")
                 return pool
-            pool.shutdown(wait=False, cancel_futures=True)
-            pool = self._compile_pool(context)
             for other in compiling.values():
                 self.breaks[other.digest] += 1
-            resubmit = [candidate, *compiling.values()]
-            compiling.clear()
-            for c in resubmit:
-                compiling[pool.submit(_compile, c.rendered, c.twin)] = c
-            return pool
+            return self._new_pool(pool, context, compiling, first=candidate)
         except Exception as e:  # the compiler raised: this config's outcome, not the study's
             self._finish(candidate, "crash", f"compile raised {type(e).__name__}: {e}")
             return pool
@@ -601,8 +606,7 @@ class _Tuner:
             self.in_flight.pop(candidate.number, None)
             self._abandon(candidate.trial._trial_id, candidate.trial.params)
         if dropped and not compiling:  # nothing left worth waiting for in the pool
-            _kill_workers(pool)
-            pool = self._compile_pool(context)
+            return self._new_pool(pool, context, compiling)
         return pool
 
     def _watch_compiles(self, compiling, pool, context):
@@ -620,14 +624,7 @@ class _Tuner:
         for future in stuck:
             self._finish(compiling.pop(future), "hang",
                          f"compile still running after {COMPILE_TIMEOUT_S:g} s; its process was killed")
-        _kill_workers(pool)
-        pool = self._compile_pool(context)
-        resubmit = list(compiling.values())
-        compiling.clear()
-        for c in resubmit:
-            c.compile_running_since = None
-            compiling[pool.submit(_compile, c.rendered, c.twin)] = c
-        return pool
+        return self._new_pool(pool, context, compiling)
 
     def _gate(self, candidate: _Candidate):
         start = time.monotonic()
@@ -752,6 +749,13 @@ def _quiet(log_path: str) -> None:
     os.close(fd)
 
 
+def _submit(pool: cf.ProcessPoolExecutor, compiling: dict, candidate: _Candidate) -> None:
+    """Submit ``candidate``'s compile (and its twin's) to ``pool``; the watchdog's clock starts
+    when the pool runs it."""
+    candidate.compile_running_since = None
+    compiling[pool.submit(compile_for_gate, candidate.rendered, candidate.twin)] = candidate
+
+
 def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
     """Kill a process pool's workers (the executor has no public way before Python 3.14)."""
     for process in list((pool._processes or {}).values()):
@@ -759,9 +763,9 @@ def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _compile(rendered, twin=None) -> dict:
-    """Compile in a pool process; a plain dict crosses back. A staged config's ``num_stages = 0``
-    twin is built too: the gate's child then loads both from the caches and runs no nvcc."""
+def compile_for_gate(rendered, twin=None) -> dict:
+    """Compile a config (in a pool process; a plain dict crosses back) and, when it compiles, its
+    ``num_stages = 0`` twin: the gate's child then loads both from the caches and runs no nvcc."""
     from .compile import compile_rendered
 
     start = time.monotonic()
