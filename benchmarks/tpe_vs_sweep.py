@@ -36,7 +36,7 @@ import tempfile
 import time
 
 from tuner import model, space
-from tuner.cli import parse_overrides
+from tuner.cli import name_value
 from tuner.gate import GateResult, twin_config
 from tuner.problem import Problem
 
@@ -56,13 +56,12 @@ def key(config: dict) -> str:
 
 
 def _compile_with_twin(problem: Problem, config: dict) -> str:
-    from tuner.compile import compile_rendered
     from tuner.render import render
+    from tuner.search import compile_for_gate
 
-    report = compile_rendered(render(problem, config))
-    if report.ok and twin_config(config) is not None:
-        compile_rendered(render(problem, twin_config(config)))
-    return "ok" if report.ok else "failed"
+    twin = twin_config(config)
+    result = compile_for_gate(render(problem, config), render(problem, twin) if twin is not None else None)
+    return "ok" if result["error"] is None and not result["rejected"] else "failed"
 
 
 def compile_all(problem: Problem, configs: list[dict], jobs: int) -> None:
@@ -151,9 +150,9 @@ def time_worker(job_path: str, out_path: str) -> int:
             out.flush()
             start = time.perf_counter()
             module, kernels = load_kernels(render(problem, config))
-            timing = bench.time_forward(lambda: module.forward(kernels, **x), device=device)
+            timing = bench.time_module(problem, module, kernels, x, device=device)
             out.write(json.dumps({"event": "timed", "key": key(config), "seconds": time.perf_counter() - start,
-                                  "timing": dict(timing.as_dict(), floor_ms=bench.memory_floor_ms(problem))}) + "\n")
+                                  "timing": timing}) + "\n")
             out.flush()
     return 0
 
@@ -181,7 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="gdn")
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
-    p.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--fix", action="append", default=[], type=name_value, metavar="NAME=VALUE",
                    help="hold a parameter at one value: sweep and search the rest (repeatable)")
     p.add_argument("--sweep", help="JSON of the sweep's measurements (written and resumed)")
     p.add_argument("--compile-only", action="store_true", help="only build every kernel of the space (CPU)")
@@ -195,7 +194,7 @@ def main(argv=None) -> int:
     if args.time_worker:
         return time_worker(*args.time_worker)
     problem = Problem(args.variant, args.dk, args.dk, args.dtype)
-    fixed = parse_overrides(args.fix, "--fix")
+    fixed = dict(args.fix)
     configs = pruned_space(problem, space.load(problem.variant).fix(fixed))
     print(f"{len(configs)} configs in the pruned space of {problem.variant} k{problem.dk} with {fixed or 'nothing'} held")
     if args.compile_only:

@@ -48,19 +48,22 @@ def op_calls(impl, variant: str, x: dict, **options) -> dict:
     """``variant``'s ops of ``impl`` (``tuner.ops`` or FLA's) on the inputs ``x``, by name; the first
     is the anchor table's call, the one timed."""
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
-    # Normalised linear attention divides by <q_t, sum k>: with signed random q, k that sum is near
-    # zero somewhere and the output is noise (FLA keeps it in bf16, we in fp32). Models feed it
-    # positive features; so does this check (elu + 1, Katharopoulos et al.).
-    q_pos, k_pos = ((torch.nn.functional.elu(t.float()) + 1).to(t.dtype) for t in (q, k))
     return {
         "linear": {"chunk_simple_gla": lambda: impl.chunk_simple_gla(q, k, v, **options),
-                   "chunk_linear_attn": lambda: impl.chunk_linear_attn(q_pos, k_pos, v, **options)},
+                   "chunk_linear_attn": lambda: impl.chunk_linear_attn(*positive_features(q, k), v, **options)},
         "decay": {"chunk_retention": lambda: impl.chunk_retention(q, k, v, **options)},
         "simple_gla": {"chunk_simple_gla": lambda: impl.chunk_simple_gla(q, k, v, g, **options)},
         "gla": {"chunk_gla": lambda: impl.chunk_gla(q, k, v, g, **options)},
         "gdn": {"chunk_gated_delta_rule": lambda: impl.chunk_gated_delta_rule(q, k, v, g, beta, **options)},
         "kda": {"chunk_kda": lambda: impl.chunk_kda(q, k, v, g, beta, **options)},
     }[variant]
+
+
+def positive_features(*tensors):
+    """elu + 1 (Katharopoulos et al.). Normalised linear attention divides by <q_t, sum k>: with
+    signed random q, k that sum is near zero somewhere and the output is noise (FLA keeps it in
+    bf16, we in fp32). Models feed it positive features; so does this check."""
+    return [(torch.nn.functional.elu(t.float()) + 1).to(t.dtype) for t in tensors]
 
 
 def compare(ours, fla, tolerance: float) -> dict:

@@ -162,6 +162,19 @@ def fixture_gate(problem, config, *, timeout_s, device):
                          heads=1, seeds=(0,), rep=3, warmup_ms=1)
 
 
+def refusing_gate(gated: list, seconds: float = 0):
+    """A gate that notes each config it is given in ``gated``, takes ``seconds`` and refuses it
+    (for tests that look at what reaches the GPU, not at kernels)."""
+    from tuner.gate import GateResult
+
+    def gate(problem, config, *, timeout_s, device):
+        gated.append(config)
+        time.sleep(seconds)
+        return GateResult("mismatch", message="not run: the test looks at what reaches the gate")
+
+    return gate
+
+
 def enqueue(db, problem, configs):
     """Create the study tune() will resume, with these configs first in line."""
     from tuner import environment, search
@@ -215,18 +228,12 @@ def test_compile_failures_are_recorded_and_never_gated(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_fixed_parameters_hold_in_every_trial_of_a_study_of_their_own(tmp_path, monkeypatch):
     from tuner import search
-    from tuner.gate import GateResult
     from tuner.store import Store
 
     monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
     gated = []
-
-    def refusing_gate(problem, config, *, timeout_s, device):
-        gated.append(config)
-        return GateResult("mismatch", message="not run: this test looks at what is proposed")
-
-    summary = search.tune(SMALL, trials=3, db=str(tmp_path / "r.db"), jobs=2, progress=False, gate=refusing_gate,
-                          fixed={"num_stages": "0", "block_dv": "32"})
+    summary = search.tune(SMALL, trials=3, db=str(tmp_path / "r.db"), jobs=2, progress=False,
+                          gate=refusing_gate(gated), fixed={"num_stages": "0", "block_dv": "32"})
     assert summary.study.endswith(f"+num_stages=0+block_dv=32@{search.environment.current().key()}")
     records = Store(tmp_path / "r.db").trials()
     assert len([r for r in records if r.status == "mismatch" and r.repeat_of is None]) == 3  # --trials 3
@@ -239,7 +246,6 @@ def test_fixed_parameters_hold_in_every_trial_of_a_study_of_their_own(tmp_path, 
 @pytest.mark.slow
 def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeypatch):
     from tuner import search
-    from tuner.gate import GateResult
     from tuner.render import Rendered
     from tuner.store import Store
 
@@ -254,13 +260,8 @@ def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeyp
     db = tmp_path / "results.db"
     enqueue(db, SMALL, [stuck, fine])
     gated = []
-
-    def refusing_gate(problem, config, *, timeout_s, device):
-        gated.append(config)
-        return GateResult("mismatch", message="not run")
-
     start = time.monotonic()
-    search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False, gate=refusing_gate)
+    search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False, gate=refusing_gate(gated))
     by_stages = {r.config["num_stages"]: r for r in Store(db).trials()}
     assert by_stages[2].status == "hang" and "compile still running after 5 s" in by_stages[2].reason
     assert by_stages[1].status == "mismatch" and gated == [fine]
@@ -270,7 +271,6 @@ def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeyp
 @pytest.mark.slow
 def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tmp_path, monkeypatch):
     from tuner import search
-    from tuner.gate import GateResult
     from tuner.render import Rendered
     from tuner.store import Store
 
@@ -283,14 +283,8 @@ def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tm
               for bdv in (16, 32) for n in (0, 1)]
     name = enqueue(db, SMALL, [*others, default])  # the default asked last
     gated = []
-
-    def slow_gate(problem, config, *, timeout_s, device):
-        gated.append(config)
-        time.sleep(4)
-        return GateResult("mismatch", message="not run")
-
     start = time.monotonic()
-    search.tune(SMALL, timeout=2, db=str(db), jobs=4, progress=False, gate=slow_gate)
+    search.tune(SMALL, timeout=2, db=str(db), jobs=4, progress=False, gate=refusing_gate(gated, seconds=4))
     # The deadline, the gate in progress and the default's (kept as the baseline), not the whole queue.
     assert time.monotonic() - start < 2 + 2 * 4 + 10
     # The gate in progress at the deadline, if any (a slow start leaves none), then the default.

@@ -107,9 +107,8 @@ def gate(job: dict, progress) -> dict:
 
         progress("timing")
         x = inputs.make_inputs(problem, "default", 0, device)
-        timing = bench.time_forward(lambda: module.forward(kernels, **x), warmup_ms=job["warmup_ms"], rep=job["rep"],
-                                    device=device if device.type == "cuda" else None)
-        out["timing"] = dict(timing.as_dict(), floor_ms=bench.memory_floor_ms(problem))
+        out["timing"] = bench.time_module(problem, module, kernels, x, warmup_ms=job["warmup_ms"], rep=job["rep"],
+                                          device=device if device.type == "cuda" else None)
     return out
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .problem import Problem
 
-__all__ = ["Timing", "time_forward", "memory_floor_ms", "floor_bytes", "H200_COPY_GBPS"]
+__all__ = ["Timing", "time_forward", "time_module", "memory_floor_ms", "floor_bytes", "H200_COPY_GBPS"]
 
 # Device-to-device copy rate measured on the H200 of this project (bytes read + bytes written
 # per second): 4.3 TB/s (shared/notes/tilelang-and-gpu-facts.md, "Floors"). The datasheet's
@@ -137,3 +137,17 @@ def memory_floor_ms(problem: Problem, bandwidth_gbps: float = H200_COPY_GBPS, **
     (plus 4 MB of final state): about 0.126 ms, the notes' 0.125 ms floor.
     """
     return floor_bytes(problem, **shape) / (bandwidth_gbps * 1e9) * 1e3
+
+
+def time_module(problem: Problem, module, kernels: dict, x: dict, **timing) -> dict:
+    """A generated module's ``forward`` on the inputs ``x`` (at the problem's shape), timed as the
+    tuner records it: ``Timing.as_dict()`` plus ``floor_ms``.
+
+    Args:
+        problem (Problem): what is timed (for the floor).
+        module, kernels: the generated module and its compiled programs (``tuner.compile``).
+        x (dict): ``tuner.inputs.make_inputs`` for the problem.
+        **timing: keyword arguments of :func:`time_forward`.
+    """
+    t = time_forward(lambda: module.forward(kernels, **x), **timing)
+    return dict(t.as_dict(), floor_ms=memory_floor_ms(problem))

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one worker process per CUDA device, all on the same study (needs CUDA devices)")
     run.add_argument("--register-budget", type=_positive, default=255, metavar="R",
                      help="prune configs predicted above R registers per thread (default 255)")
-    run.add_argument("--fix", action="append", default=[], type=_name_value, metavar="NAME=VALUE",
+    run.add_argument("--fix", action="append", default=[], type=name_value, metavar="NAME=VALUE",
                      help="hold one template parameter at a value and search the rest (repeatable; "
                           "a study of its own)")
 
@@ -144,20 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _name_value(item: str) -> tuple[str, str]:
+def name_value(item: str) -> tuple[str, str]:
+    """``NAME=VALUE`` -> (name, value), an argparse ``type`` (``--fix``)."""
     name, sep, value = item.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {item!r}")
     return name.strip(), value.strip()
 
 
-def parse_overrides(items: list[str], option: str = "--set") -> dict[str, str]:
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``--set`` items -> {name: value}, with the CLI's one-line error."""
     out = {}
     for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise UserError(f"{option} expects NAME=VALUE, got {item!r}")
-        out[name.strip()] = value.strip()
+        try:
+            name, value = name_value(item)
+        except argparse.ArgumentTypeError:
+            raise UserError(f"--set expects NAME=VALUE, got {item!r}") from None
+        out[name] = value
     return out
 
 
