@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "outcome and the winner. Without a GPU everything but gate and timing runs.")
     _add_problem(run)
     budget = run.add_mutually_exclusive_group()
-    budget.add_argument("--trials", type=_positive, metavar="N", help="number of trials (default 40)")
+    budget.add_argument("--trials", type=_positive, metavar="N", help="kernels to compile and judge (default 40); broken constraints, "
+                                                                         "model prunes and repeats are free")
     budget.add_argument("--timeout", type=_positive, metavar="S", help="stop after S seconds plus the gate in progress; queued trials "
                                                                           "are given back to the study for the next run")
     _add_db(run)
