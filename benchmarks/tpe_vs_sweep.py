@@ -29,6 +29,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -157,9 +158,14 @@ def time_worker(job_path: str, out_path: str) -> int:
     return 0
 
 
-def replay(problem: Problem, fixed: dict, measured: dict[str, dict], trials: int) -> dict:
-    """One search of ``trials`` trials whose gate answers from the sweep's measurements."""
-    from tuner.search import tune
+def replay(problem: Problem, fixed: dict, measured: dict[str, dict], trials: int, seed: int,
+           start: dict | None = None) -> dict:
+    """One search of ``trials`` trials (sampler seed ``seed``) whose gate answers from the sweep's
+    measurements; the tuner asks the default config first, or ``start`` in its place."""
+    import optuna
+
+    from tuner import environment
+    from tuner.search import study_name, tune
 
     judged = []
 
@@ -169,8 +175,11 @@ def replay(problem: Problem, fixed: dict, measured: dict[str, dict], trials: int
         return GateResult.from_dict(row["result"])
 
     with tempfile.TemporaryDirectory() as tmp:
+        if start is not None:  # the study exists with ``start`` first in line: the tuner adds no default
+            optuna.create_study(storage=f"sqlite:///{tmp}/replay.db", direction="minimize", study_name=study_name(
+                problem, environment.current(), space.load(problem.variant).fix(fixed))).enqueue_trial(start)
         summary = tune(problem, trials=trials, db=os.path.join(tmp, "replay.db"), progress=False, gate=recorded_gate,
-                       fixed=fixed)
+                       fixed=fixed, seed=seed)
     return {"trials": trials, "gpu_trials": len(judged), "gpu_seconds": sum(r["gpu_seconds"] for r in judged),
             "best_ms": summary.winner.median_ms if summary.winner else None}
 
@@ -187,6 +196,11 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="compile processes (--compile-only)")
     p.add_argument("--gate-jobs", type=int, default=8, help="gate children at once on the GPU")
     p.add_argument("--repeats", type=int, default=3, help="searches per trial budget")
+    p.add_argument("--budgets", type=int, nargs="+", default=[30, 60],
+                   help="trial budgets replayed (default 30 60; a quarter of the sweep is added)")
+    p.add_argument("--random-start", action="store_true",
+                   help="also replay each budget with a random config of the sweep asked first instead of "
+                        "the default: the search without the default's head start")
     p.add_argument("--replay-only", action="store_true", help="skip the sweep: replay on the recorded JSON")
     p.add_argument("--sweep-only", action="store_true", help="stop after the sweep (replay later, on a CPU)")
     p.add_argument("--time-worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
@@ -216,14 +230,19 @@ def main(argv=None) -> int:
           f"({len(passed)} passed the gate)")
     if args.sweep_only:
         return 0
-    for trials in (30, 60):
-        runs = [replay(problem, fixed, measured, trials) for _ in range(args.repeats)]
-        found = [r["best_ms"] for r in runs if r["best_ms"] is not None]
-        gpu_trials = statistics.median(r["gpu_trials"] for r in runs)
-        print(f"TPE {trials} trials: best {statistics.median(found):.3f} ms median of {len(found)} "
-              f"(worst {max(found):.3f}) = {statistics.median(found) / best:.3f} x sweep; "
-              f"{gpu_trials:.0f} GPU trials ({gpu_trials / len(measured):.2f} of the sweep), "
-              f"{statistics.median(r['gpu_seconds'] for r in runs):.0f} GPU-s")
+    starts = [("default first", lambda _: None)]
+    if args.random_start:
+        rng = random.Random(0)
+        starts.append(("random first", lambda _: rng.choice(list(measured.values()))["config"]))
+    for trials in sorted({*args.budgets, len(measured) // 4}):
+        for label, start in starts:
+            runs = [replay(problem, fixed, measured, trials, seed, start(seed)) for seed in range(args.repeats)]
+            found = [r["best_ms"] for r in runs if r["best_ms"] is not None]
+            gpu_trials = statistics.median(r["gpu_trials"] for r in runs)
+            print(f"TPE {trials} trials, {label}: best {statistics.median(found):.3f} ms median of {len(found)} "
+                  f"(worst {max(found):.3f}) = {statistics.median(found) / best:.3f} x sweep; "
+                  f"{gpu_trials:.0f} GPU trials ({gpu_trials / len(measured):.2f} of the sweep), "
+                  f"{statistics.median(r['gpu_seconds'] for r in runs):.0f} GPU-s", flush=True)
     return 0
 
 

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from tuner import ops  # noqa: E402
 from tuner.bench import memory_floor_ms, time_forward  # noqa: E402
 from tuner.inputs import make_inputs  # noqa: E402
-from tuner.problem import Problem  # noqa: E402
+from tuner.problem import Problem, parse_shape  # noqa: E402
 from tuner.variants import VARIANTS  # noqa: E402
 
 SHAPES = ((4, 8192, 16), (1, 32768, 32), (16, 2048, 32))
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("vs_fla: needs a CUDA GPU (and FLA installed)", file=sys.stderr)
         return 2
-    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shape] if args.shape else SHAPES
+    shapes = [parse_shape(s) for s in args.shape] if args.shape else SHAPES
     rows = []
     gpu = torch.cuda.get_device_name()
     for variant in args.variant or VARIANTS:

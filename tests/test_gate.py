@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tuner.bench import memory_floor_ms
 from tuner.gate import GateResult, gate_and_time, run_gate
 from tuner.inputs import regimes_for
 from tuner.problem import Problem
@@ -96,12 +97,20 @@ def test_screen_rejects_before_running(tmp_path):
 
 
 def test_gate_and_time_fills_the_timing(tmp_path):
+    # One gate, timed at the problem's shape and at two more: one 16 times larger, one that no
+    # memory can hold (its failure is that shape's outcome only).
+    larger, too_large = "2x512x4", "4096x1048576x64"
     result = gate_and_time(PROBLEM, {}, source=behaving("correct"), timeout_s=TIMEOUT_S, regimes=["default"],
-                           warmup_ms=1, rep=3, cache_dir=tmp_path, **SMALL)
+                           also_at=(larger, too_large), warmup_ms=1, rep=3, cache_dir=tmp_path, **SMALL)
     assert result.status == "pass", result.message
-    t = result.timing
-    assert t["reps"] == 3 and 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"] and t["floor_ms"] > 0
-    assert t["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    t, at = result.timing, result.timing_at
+    for timing in (t, at[larger]):
+        assert timing["reps"] == 3 and 0 < timing["p10_ms"] <= timing["median_ms"] <= timing["p90_ms"]
+        assert timing["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert at[larger]["floor_ms"] == pytest.approx(memory_floor_ms(PROBLEM.at(larger)))
+    assert at[larger]["floor_ms"] > 10 * t["floor_ms"]
+    assert at[larger]["median_ms"] > t["median_ms"]
+    assert set(at) == {larger, too_large} and "memory" in at[too_large]["error"].lower()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -150,7 +150,7 @@ BEHAVIOURS = [(space.load("linear").complete(SMALL, change), behaviour) for chan
     ({"num_stages": 2}, "hang"), ({"num_stages": 1}, "nan"), ({"num_stages": 0}, "correct"))]
 
 
-def fixture_gate(problem, config, *, timeout_s, device):
+def fixture_gate(problem, config, *, timeout_s, device, also_at=()):
     """The real gate (child process, watchdog) on the hand-written CPU module instead of the kernel."""
     from tuner.gate import gate_and_time
 
@@ -159,7 +159,7 @@ def fixture_gate(problem, config, *, timeout_s, device):
         source = f.read().replace('BEHAVIOUR = "correct"', f'BEHAVIOUR = "{behaviour}"').replace(
             'VARIANT = "decay"', 'VARIANT = "linear"')
     return gate_and_time(problem, config, source=source, timeout_s=15, device=device, seqlens=(64,), batch=1,
-                         heads=1, seeds=(0,), rep=3, warmup_ms=1)
+                         heads=1, seeds=(0,), rep=3, warmup_ms=1, also_at=also_at)
 
 
 def refusing_gate(gated: list, seconds: float = 0):
@@ -206,6 +206,88 @@ def test_a_hang_and_a_nan_are_recorded_and_the_study_carries_on_to_a_winner(tmp_
     (winner,) = Store(db).winners()  # the one config that passed, with its gate errors
     assert winner.config == good.config and winner.median_ms == good.median_ms and winner.gate_errors
     assert summary.winner.number == good.number and summary.counts["hang"] == 1
+
+
+@pytest.mark.slow
+def test_each_kernel_judged_is_recorded_at_every_also_at_shape_with_its_timing_and_winner(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.render import Rendered
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
+        problem, config, f"def programs():\n    return []\n# {config}\n"))  # the fixture gate runs its own module
+    db = tmp_path / "results.db"
+    (nan, _), (good, _) = BEHAVIOURS[1:]
+    enqueue(db, SMALL, [nan, good])
+    larger = "2x1024x4"  # 64 times the tokens of SMALL
+    for _ in range(2):  # the second run resumes: nothing new is judged or recorded
+        summary = search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False, gate=fixture_gate,
+                              also_at=(larger,))
+
+    records = Store(db).trials()
+    companion = search.study_name(SMALL.at(larger), search.environment.current())
+    tuned = {r.config["num_stages"]: r for r in records if r.study == summary.study}
+    at = {r.config["num_stages"]: r for r in records if r.study == companion}
+    assert len(records) == 4 and {n: r.status for n, r in at.items()} == {n: r.status for n, r in tuned.items()}
+    assert tuned[good["num_stages"]].status == "pass" and tuned[nan["num_stages"]].status == "nan"
+    for n, row in at.items():
+        assert row.digest == tuned[n].digest and row.problem == SMALL.at(larger)
+        assert row.gate_errors == tuned[n].gate_errors and f"judged by trial {tuned[n].number}" in row.reason
+    passed, tuned_pass = at[good["num_stages"]], tuned[good["num_stages"]]
+    assert passed.median_ms > tuned_pass.median_ms and passed.p10_ms <= passed.median_ms <= passed.p90_ms
+
+    winners = {w.problem.shape: w for w in Store(db).winners()}
+    assert set(winners) == {SMALL.shape, larger} and winners[larger].config == good
+    assert winners[larger].median_ms == passed.median_ms and summary.also_at[0].winner.number == passed.number
+    trials = {t.number: t for t in optuna.load_study(study_name=companion, storage=f"sqlite:///{db}").trials}
+    tuned_trials = {t.number: t for t in optuna.load_study(study_name=summary.study, storage=f"sqlite:///{db}").trials}
+    assert trials[passed.number].state.name == "COMPLETE" and trials[passed.number].value == passed.median_ms
+    failed, tuned_failed = trials[at[nan["num_stages"]].number], tuned_trials[tuned[nan["num_stages"]].number]
+    assert failed.state.name == "PRUNED" and failed.user_attrs["status"] == "nan"
+    constraints = {k: v for k, v in tuned_failed.system_attrs.items() if k.startswith("constraints")}
+    assert constraints and {k: failed.system_attrs.get(k) for k in constraints} == constraints  # as TPE reads it
+
+
+@pytest.mark.slow
+def test_a_config_that_breaks_a_constraint_is_followed_by_the_nearest_valid_one(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.render import Rendered
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
+        problem, config, f"def programs():\n    return []\n# {config}\n"))
+    db = tmp_path / "results.db"
+    refused = {**space.load("linear").default(SMALL), "threads": 256}
+    name = enqueue(db, SMALL, [refused])
+    gated = []
+    search.tune(SMALL, trials=1, db=str(db), jobs=1, progress=False, gate=refusing_gate(gated))
+
+    first, second = Store(db).trials()
+    assert (first.config, first.status, second.status) == (refused, "constraint", "mismatch")
+    assert space.load("linear").violations(SMALL, second.config) == [] and gated == [second.config]
+    assert [k for k in refused if refused[k] != second.config[k]] in (["threads"], ["scores_in"])  # one change
+    trials = optuna.load_study(study_name=name, storage=f"sqlite:///{db}").trials
+    assert [t.params for t in trials] == [refused, second.config] and trials[0].constraints == {"space": 1.0}
+
+
+@pytest.mark.slow
+def test_a_seed_makes_the_sampled_configs_reproducible(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.render import Rendered
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
+        problem, config, f"def programs():\n    return []\n# {config}\n"))
+
+    def sampled(db, seed):
+        search.tune(SMALL, trials=6, db=str(tmp_path / db), jobs=1, progress=False, gate=refusing_gate([]), seed=seed)
+        return [r.config for r in Store(tmp_path / db).trials()]
+
+    first = sampled("a.db", 7)
+    assert len(first) >= 6 and sampled("b.db", 7) == first and sampled("c.db", 8) != first
 
 
 @pytest.mark.slow

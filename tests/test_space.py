@@ -1,5 +1,7 @@
 """Search spaces: every variant's file loads, its defaults are valid, and broken configs are refused
 with their reason before a kernel is rendered."""
+import random
+
 import pytest
 
 from tuner import model, space, variants
@@ -63,3 +65,32 @@ def test_fix_holds_parameters_at_one_value_and_leaves_the_rest():
         sp.fix({"bogus": "1"})
     with pytest.raises(UserError, match="not one of"):
         sp.fix({"block_dv": "48"})
+
+
+def test_a_refused_config_is_steered_to_a_valid_one_with_the_fewest_changes():
+    problem = Problem("gdn", 128, 128)
+    sp = space.load("gdn")
+    default = sp.default(problem)
+    # 256 threads break a constraint that only going back to 128 threads repairs in one change.
+    assert sp.nearest_valid(problem, {**default, "threads": 256}, random.Random(0)) == default
+    # Fused, warp-specialised, two stages: the one valid config a single change away is chunked.
+    refused = {**default, "split": "fused", "warp_specialized": True, "num_stages": 2}
+    assert sp.violations(problem, refused)
+    assert sp.nearest_valid(problem, refused, random.Random(0)) == {**refused, "split": "chunked"}
+
+
+def test_ties_among_the_nearest_valid_configs_are_drawn_at_random():
+    problem = Problem("linear", 64, 64)
+    sp = space.load("linear")
+    # Two stages without warp specialisation: warp specialisation on, or 0 or 1 stage, mends it.
+    refused = {**sp.default(problem), "warp_specialized": False, "num_stages": 2}
+    assert sp.violations(problem, refused)
+    drawn = {tuple(sorted(sp.nearest_valid(problem, refused, random.Random(seed)).items())) for seed in range(40)}
+    assert drawn == {tuple(sorted({**refused, **change}.items()))
+                     for change in ({"warp_specialized": True}, {"num_stages": 0}, {"num_stages": 1})}
+
+
+def test_nearest_valid_is_none_when_nothing_in_the_space_is_valid():
+    problem = Problem("linear", 64, 64)
+    sp = space.load("linear").fix({"warp_specialized": "false", "num_stages": "2"})
+    assert sp.nearest_valid(problem, sp.default(problem), random.Random(0)) is None

@@ -105,10 +105,20 @@ def gate(job: dict, progress) -> dict:
     if job["time"]:
         from . import bench
 
+        timing = dict(warmup_ms=job["warmup_ms"], rep=job["rep"], device=device if device.type == "cuda" else None)
         progress("timing")
         x = inputs.make_inputs(problem, "default", 0, device)
-        out["timing"] = bench.time_module(problem, module, kernels, x, warmup_ms=job["warmup_ms"], rep=job["rep"],
-                                          device=device if device.type == "cuda" else None)
+        out["timing"] = bench.time_module(problem, module, kernels, x, **timing)
+        out["timing_at"] = {}
+        for shape in job["also_at"]:
+            progress(f"timing at {shape}")
+            at = problem.at(shape)
+            x = None  # the inputs of one shape are freed before the next is made
+            try:
+                x = inputs.make_inputs(at, "default", 0, device)
+                out["timing_at"][shape] = bench.time_module(at, module, kernels, x, **timing)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at a larger shape: that shape's outcome
+                out["timing_at"][shape] = {"error": f"{type(e).__name__}: {e}"[:1000]}
     return out
 
 

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fix", action="append", default=[], type=name_value, metavar="NAME=VALUE",
                      help="hold one template parameter at a value and search the rest (repeatable; "
                           "a study of its own)")
+    run.add_argument("--also-at", action="append", default=[], type=shape, metavar="BxTxH",
+                     help="also time every passing kernel at this shape and keep its own winner there "
+                          "(repeatable); the search follows --batch/--seqlen/--heads")
 
     render = sub.add_parser("render", help="print the rendered TileLang source of one config")
     _add_problem(render, shape=False)
@@ -151,6 +154,16 @@ def name_value(item: str) -> tuple[str, str]:
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {item!r}")
     return name.strip(), value.strip()
+
+
+def shape(text: str) -> str:
+    """``BxTxH`` checked and normalised, an argparse ``type`` (``--also-at``)."""
+    from .problem import parse_shape
+
+    try:
+        return "x".join(map(str, parse_shape(text)))
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:

@@ -46,6 +46,8 @@ class GateResult:
         message: why it did not pass (compiler message, screen finding, where it hung, ...).
         seconds: wall time of the child, compile included.
         timing: ``bench.Timing.as_dict()`` plus ``floor_ms``, from ``gate_and_time`` on a pass.
+        timing_at: shape ``BxTxH`` -> the same for each shape of ``gate_and_time``'s ``also_at``, or
+            {"error": message} where timing at that shape failed (say, out of memory).
         compile: ``CompileReport.as_dict()`` of the config (None when the child died before it).
     """
 
@@ -55,6 +57,7 @@ class GateResult:
     seconds: float = 0.0
     timing: dict | None = None
     compile: dict | None = None
+    timing_at: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -104,21 +107,23 @@ def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None
     return _run_child(job, timeout_s)
 
 
-def gate_and_time(problem: Problem, config: dict, *, warmup_ms: float = 25.0, rep: int = 100, timeout_s: float = 120,
-                  **gate_args) -> GateResult:
-    """:func:`run_gate`, then on a pass time ``forward`` at the problem's (B, T, H) in the same child.
+def gate_and_time(problem: Problem, config: dict, *, also_at: tuple[str, ...] = (), warmup_ms: float = 25.0,
+                  rep: int = 100, timeout_s: float = 120, **gate_args) -> GateResult:
+    """:func:`run_gate`, then on a pass time ``forward`` at the problem's (B, T, H) in the same child,
+    and at each shape of ``also_at``: the gate does not depend on the shape, so one gate serves all.
 
     Args:
         problem, config: as in :func:`run_gate`.
+        also_at (tuple[str]): more shapes (``BxTxH``) to time a passing config at (``timing_at``).
         warmup_ms (float), rep (int): passed to ``tuner.bench.time_forward``. Default: 25, 100.
         timeout_s (float): as in :func:`run_gate`; make it cover the timing too. Default: 120.
         **gate_args: the other keyword arguments of :func:`run_gate`.
 
     Returns:
-        GateResult with ``timing`` filled on a pass.
+        GateResult with ``timing`` (and ``timing_at``) filled on a pass.
     """
     job = _job(problem, config, **gate_args)
-    job.update(time=True, warmup_ms=warmup_ms, rep=rep)
+    job.update(time=True, also_at=list(also_at), warmup_ms=warmup_ms, rep=rep)
     return _run_child(job, timeout_s)
 
 

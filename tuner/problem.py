@@ -1,7 +1,7 @@
 """The problem a kernel is tuned for: variant, head dims, dtype and the shape it runs at."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from . import variants
 from .errors import UserError
@@ -45,5 +45,23 @@ class Problem:
 
         return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
 
+    @property
+    def shape(self) -> str:
+        """The shape timed, as ``BxTxH``."""
+        return f"{self.batch}x{self.seqlen}x{self.heads}"
+
+    def at(self, shape: str) -> "Problem":
+        """The same kernel problem timed at ``shape`` (``BxTxH``)."""
+        batch, seqlen, heads = parse_shape(shape)
+        return replace(self, batch=batch, seqlen=seqlen, heads=heads)
+
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``BxTxH`` (e.g. ``1x32768x32``) as (batch, seqlen, heads); a UserError otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise UserError(f"a shape is BxTxH with positive integers, e.g. 1x32768x32; got {text!r}")
+    return tuple(int(p) for p in parts)

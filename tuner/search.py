@@ -2,12 +2,19 @@
 
 For each proposed config, cheapest check first:
 
-1. the search space's constraints (status ``constraint``, nothing rendered);
+1. the search space's constraints (status ``constraint``, nothing rendered); the valid config
+   nearest to a refused one is enqueued, so it is what the search asks next;
 2. the register model against the budget (status ``pruned``, nothing compiled);
 3. render; a kernel (digest) already judged in this study is not judged again (``repeat_of``);
 4. compile in a pool of ``jobs`` processes, ahead of the GPU (``compile_error``, ``screen``);
 5. with a GPU: gate and time in a watchdogged child, one at a time (``hang``, ``nan``,
    ``mismatch``, ``crash``, ``pass``); without one the trial ends as ``compiled``.
+
+Tuning for several shapes at once (``also_at``, CLI ``--also-at BxTxH``): the search is driven by
+the problem's shape, and every kernel judged is also recorded in the study of each other shape
+(a companion study), with a passing kernel timed at that shape in the same gate child. The gate
+and the compile do not depend on the shape, so each further shape costs only its timing, and each
+shape gets its own winner.
 
 The study lives in the results database beside our tables, named after the problem and the
 stack (:func:`study_name`), so re-running the same command resumes it: trials a killed run left
@@ -29,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -88,6 +96,7 @@ class TuneSummary:
         winner (TrialRecord | None): the fastest row that passed the gate; None without one.
         default (TrialRecord | None): the row of the template's default config.
         gated (bool): whether this run gated and timed on a GPU.
+        also_at (tuple[TuneSummary]): the companion studies of the ``also_at`` shapes.
     """
 
     study: str
@@ -95,6 +104,7 @@ class TuneSummary:
     winner: TrialRecord | None
     default: TrialRecord | None
     gated: bool
+    also_at: tuple["TuneSummary", ...] = ()
 
     @property
     def speedup(self) -> float | None:
@@ -133,7 +143,8 @@ def study_name(problem: Problem, env: Environment, space: spaces.Space | None = 
 
 def tune(problem: Problem, *, trials: int | None = None, timeout: float | None = None,
          db: str = "results.db", storage: str | None = None, jobs: int = 2, gpu: int = 0,
-         register_budget: int = 255, progress: bool = True, gate=None, fixed: dict | None = None) -> TuneSummary:
+         register_budget: int = 255, progress: bool = True, gate=None, fixed: dict | None = None,
+         also_at: tuple[str, ...] = (), seed: int | None = None) -> TuneSummary:
     """Search ``problem``'s config space and record every outcome and the winner.
 
     Args:
@@ -150,9 +161,14 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         register_budget (int): prune configs predicted to need more registers per thread. Default: 255.
         progress (bool): show a progress bar and the summary table. Default: True.
         gate (callable): ``gate(problem, config, timeout_s=, device=) -> GateResult`` to gate and time
-            with; None: :func:`tuner.gate.gate_and_time` when a GPU is present, no gating otherwise.
+            with (called with ``also_at=`` too when there are more shapes); None:
+            :func:`tuner.gate.gate_and_time` when a GPU is present, no gating otherwise.
         fixed (dict): parameters held at one value (name -> value; CLI ``--fix NAME=VALUE``): a
             search of the rest of the space, in a study of its own. Default: None.
+        also_at (tuple[str]): more shapes (``BxTxH``) to record every judged kernel at, each in
+            its own study with its own winner; the search follows ``problem``'s shape. Default: ().
+        seed (int): makes the sampling reproducible (the same seed, study and progress sample the
+            same configs). Default: None (seeded by the study, its progress and the worker process).
 
     Returns:
         TuneSummary
@@ -163,6 +179,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         if value is not None and value < 1:
             raise UserError(f"--{label} must be a positive number, got {value}")
     space = spaces.load(problem.variant).fix(fixed or {})  # bad input fails before the database is touched
+    companions = companion_problems(problem, also_at)
     store = Store(storage or db)  # then a database that cannot be used fails before any work
     if gate is None and environment.has_gpu():
         gate = gate_and_time
@@ -171,8 +188,10 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         # Heartbeats, group sampling and fail_stale_trials are used on purpose (with ask/tell).
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-        study = _open_study(problem, env, store, space)
-        tuner = _Tuner(problem, env, store, study, space, jobs=jobs, gpu=gpu, budget=register_budget, gate=gate)
+        study = _open_study(problem, env, store, space, seed)
+        companion_studies = [(p, _open_study(p, env, store, space)) for p in companions]
+        tuner = _Tuner(problem, env, store, study, space, jobs=jobs, gpu=gpu, budget=register_budget, gate=gate,
+                       companions=companion_studies, seed=seed)
         tuner.run(trials, timeout, progress)
         return tuner.summary()
 
@@ -183,7 +202,8 @@ def tune_main(problem: Problem, args) -> int:
     if args.gpus is not None:
         return tune_on_gpus(problem, args, select_gpus(args.gpus))
     summary = tune(problem, trials=args.trials, timeout=args.timeout, db=args.db, storage=args.storage,
-                   jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget, fixed=dict(args.fix))
+                   jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget, fixed=dict(args.fix),
+                   also_at=tuple(args.also_at))
     print_summary(summary)
     return 0
 
@@ -224,6 +244,7 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
         int: 0 when every worker succeeded, else the first failing worker's exit code.
     """
     space = spaces.load(problem.variant).fix(dict(args.fix))
+    companions = companion_problems(problem, args.also_at)
     store = Store(args.storage or args.db)
     if threading.current_thread() is threading.main_thread():
         # Started as a background job, the process inherits SIGINT ignored: take it back, so that
@@ -233,6 +254,7 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         name = _open_study(problem, env, store, space).study_name  # created once, before the workers race to
+        also = [(p, _open_study(p, env, store, space).study_name) for p in companions]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     physical = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
     command = [sys.executable, "-m", "tuner.cli", "run", "--variant", problem.variant,
@@ -243,6 +265,7 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
         if value is not None:
             command += [option, str(value)]
     command += [f"--fix={name}={value}" for name, value in space.fixed]
+    command += [f"--also-at={p.shape}" for p in companions]
     workers = []
     try:
         for device in devices:
@@ -260,18 +283,19 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
                 w.send_signal(signal.SIGINT)
         for w in workers:
             w.wait()
-        print_summary(summarise(problem, store, name, space, gated=True))
+        print_summary(summarise(problem, store, name, space, gated=True, also_at=also))
         raise
-    print_summary(summarise(problem, store, name, space, gated=True))
+    print_summary(summarise(problem, store, name, space, gated=True, also_at=also))
     failed = [(device, code) for device, code in zip(devices, codes) if code != 0]
     for device, code in failed:
         print(f"tune: the worker on GPU {device} exited with {code}; see its log", file=sys.stderr)
     return failed[0][1] if failed else 0
 
 
-def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.Space) -> optuna.Study:
+def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.Space,
+                seed: int | None = None) -> optuna.Study:
     """The study of ``space`` in ``store``'s database, created with the space's default config
-    first in line when it is new."""
+    first in line when it is new; its sampler seeded by ``seed`` (see :func:`tune`)."""
     engine_kwargs = {"connect_args": {"timeout": store.busy_timeout_s}} if store.path is not None else {}
     name = study_name(problem, env, space)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -279,14 +303,13 @@ def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.
         storage = optuna.storages.RDBStorage(
             store.url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
             heartbeat_stale_trial_callback=lambda study, trial: _Tuner.rerun(study, trial, store))
-        # Seeded by the study, how far it got and the worker, so neither a resumed run nor a
-        # concurrent worker replays the same samples.
+        # Seeded by the study, how far it got and the seed or worker (_salt).
         done = 0
         if name in optuna.study.get_all_study_names(storage):
             done = len(optuna.load_study(study_name=name, storage=storage).trials)
-        seed = zlib.crc32(f"{name}/{done}/{_worker()}".encode())
         # constant_liar: configs other workers are judging count as bad, so TPE looks elsewhere.
-        sampler = optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed)
+        sampler = optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True,
+                                             seed=zlib.crc32(f"{name}/{done}/{_salt(seed)}".encode()))
         study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                     sampler=sampler, load_if_exists=True)
         if not study.trials:
@@ -298,6 +321,12 @@ def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.
 
 def _worker() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _salt(seed: int | None) -> str:
+    """What tells this run's random draws from another's: the seed asked for, else the worker
+    (so neither a resumed run nor a concurrent worker replays the same samples)."""
+    return _worker() if seed is None else f"seed {seed}"
 
 
 def _is_dead_here(worker: str | None) -> bool:
@@ -317,9 +346,10 @@ def _is_dead_here(worker: str | None) -> bool:
 class _Tuner:
     """One run of the loop over a study: owns the pools, the queue for the GPU and the counts."""
 
-    def __init__(self, problem, env, store, study, space, *, jobs, gpu, budget, gate):
+    def __init__(self, problem, env, store, study, space, *, jobs, gpu, budget, gate, companions=(), seed=None):
         self.problem, self.env, self.store, self.study, self.space = problem, env, store, study, space
         self.jobs, self.gpu, self.budget, self.gate = jobs, gpu, budget, gate
+        self.companions: list[tuple[Problem, optuna.Study]] = list(companions)  # (problem at a shape, its study)
         rows = store.trials(study.study_name)
         self.judged = {r.digest: r for r in rows if _is_judgement(r)}
         self.counts = Counter(r.status for r in rows)
@@ -332,6 +362,7 @@ class _Tuner:
         # trials of the study that repeated a judged kernel's outcome (not counted by --trials)
         self.repeats = sum(r.repeat_of is not None and r.status not in FREE_STATUSES for r in rows)
         self.compile_log = _log_base(store) + ".compile.log"
+        self.rng = random.Random(f"{study.study_name}/{len(rows)}/{_salt(seed)}")  # draws among nearest valid configs
 
     # ---- recovery
 
@@ -458,7 +489,8 @@ class _Tuner:
             gpu_pool.shutdown(wait=False, cancel_futures=True)
             if bar:
                 bar.close()
-            self._write_winner()
+            for problem, study in [(self.problem, self.study), *self.companions]:
+                self._write_winner(problem, study.study_name)
 
     def _compile_pool(self, context) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_quiet,
@@ -504,6 +536,9 @@ class _Tuner:
         self.in_flight[trial.number] = candidate
         reasons = self.space.violations(self.problem, config)
         if reasons:
+            nearest = self.space.nearest_valid(self.problem, config, self.rng)
+            if nearest is not None:  # asked next, by this worker or another
+                self.study.enqueue_trial(nearest)
             return self._finish(candidate, "constraint", "; ".join(reasons))
         try:
             candidate.prediction = model.predict(self.problem, config).as_dict()
@@ -628,7 +663,8 @@ class _Tuner:
 
     def _gate(self, candidate: _Candidate):
         start = time.monotonic()
-        result = self.gate(self.problem, candidate.config, timeout_s=GATE_TIMEOUT_S, device=self.gpu)
+        also_at = {"also_at": tuple(p.shape for p, _ in self.companions)} if self.companions else {}
+        result = self.gate(self.problem, candidate.config, timeout_s=GATE_TIMEOUT_S, device=self.gpu, **also_at)
         return result, time.monotonic() - start
 
     def _gated(self, future, candidate: _Candidate) -> None:
@@ -638,13 +674,16 @@ class _Tuner:
             self._finish(candidate, "crash", f"gate raised {type(e).__name__}: {e}")
             return
         timing = (result.timing or {}) if result.status == "pass" else {}
-        self._finish(candidate, result.status, result.message or "", gate_errors=result.errors,
-                     gpu_seconds=seconds, **{k: timing.get(k) for k in ("median_ms", "p10_ms", "p90_ms")})
+        self._finish(candidate, result.status, result.message or "", timing_at=result.timing_at,
+                     gate_errors=result.errors, gpu_seconds=seconds, **_latencies(timing))
         if result.status == "pass":  # a kill later loses no winner (write_winner keeps the faster)
-            self._write_winner()
+            self._write_winner(self.problem, self.study.study_name)
 
-    def _finish(self, candidate: _Candidate, status: str, reason: str, **measured) -> None:
-        """Record the outcome, then tell Optuna (a kill in between is settled by recover())."""
+    def _finish(self, candidate: _Candidate, status: str, reason: str, timing_at: dict | None = None,
+                **measured) -> None:
+        """Record the outcome, then tell Optuna (a kill in between is settled by recover()); a
+        kernel judged is recorded in the companion studies too (``timing_at``: the gate's timings
+        at their shapes)."""
         report = candidate.compile
         record = TrialRecord(
             study=self.study.study_name, number=candidate.number, problem=self.problem, config=candidate.config,
@@ -656,6 +695,45 @@ class _Tuner:
             self.judged[candidate.digest] = record
             for repeat in self.waiting_on.pop(candidate.digest, []):
                 self._repeat(repeat, record)
+        if candidate.digest is not None and status not in FREE_STATUSES:
+            for problem, study in self.companions:
+                self._record_companion(problem, study, record, (timing_at or {}).get(problem.shape))
+
+    def _record_companion(self, problem: Problem, study: optuna.Study, record: TrialRecord,
+                          timing: dict | None) -> None:
+        """Record the kernel ``record`` judged in the study of ``problem`` (another shape), timed
+        there by the same gate (``timing``), unless that study judged it already. Optuna is told
+        first (a companion trial is created finished, its number is only known then); a kill in
+        between leaves a trial without a row, and the kernel is judged again at that shape."""
+        if any(_is_judgement(r) for r in self.store.trials(study.study_name, record.digest)):
+            return
+        status, reason, measured = record.status, f"judged by trial {record.number} of {record.study}", {}
+        if status == "pass":
+            if timing is None or "error" in timing:
+                status = "crash"
+                reason = f"timing at {problem.shape} failed: {(timing or {}).get('error', 'not timed')}; {reason}"
+            else:
+                measured = _latencies(timing)
+        elif record.reason:
+            reason = f"{record.reason}; {reason}"
+        infeasible = _INFEASIBLE.get(status)
+        frozen = optuna.trial.create_trial(
+            params=record.config, value=measured.get("median_ms"),
+            state=TrialState.COMPLETE if measured else TrialState.PRUNED,
+            distributions={name: optuna.distributions.CategoricalDistribution(list(self.space.params[name].values))
+                           for name in record.config},
+            user_attrs={"status": status, "reason": reason[:500]},
+            # where Trial.set_constraint keeps a constraint, as _tell sets it
+            system_attrs={f"constraints:{infeasible}": 1.0} if infeasible else {})
+        trial_id = study._storage.create_new_trial(study._study_id, template_trial=frozen)
+        self.store.record_trial(TrialRecord(
+            study=study.study_name, number=study._storage.get_trial_number_from_id(trial_id), problem=problem,
+            config=record.config, status=status, environment=self.env, reason=reason, digest=record.digest,
+            prediction=record.prediction, compile_report=record.compile_report,
+            compile_seconds=record.compile_seconds, gate_errors=record.gate_errors, started_at=record.started_at,
+            **measured))
+        if status == "pass":
+            self._write_winner(problem, study.study_name)
 
     def _repeat(self, candidate: _Candidate, original: TrialRecord) -> None:
         same = {k: getattr(original, k) for k in ("status", "reason", "prediction", "compile_report",
@@ -690,17 +768,18 @@ class _Tuner:
 
     # ---- results
 
-    def _write_winner(self) -> None:
-        row = best(self.problem, self.store, self.study.study_name)
+    def _write_winner(self, problem: Problem, study: str) -> None:
+        row = best(problem, self.store, study)
         if row is None:
             return
         self.store.write_winner(Winner(
-            problem=self.problem, environment=self.env, digest=row.digest, config=row.config,
+            problem=problem, environment=self.env, digest=row.digest, config=row.config,
             median_ms=row.median_ms, p10_ms=row.p10_ms, p90_ms=row.p90_ms, gate_errors=row.gate_errors or {},
             study=row.study, trial_number=row.number), gate_status=row.status)
 
     def summary(self) -> TuneSummary:
-        return summarise(self.problem, self.store, self.study.study_name, self.space, gated=self.gate is not None)
+        return summarise(self.problem, self.store, self.study.study_name, self.space, gated=self.gate is not None,
+                         also_at=[(p, study.study_name) for p, study in self.companions])
 
 
 def best(problem: Problem, store: Store, study: str) -> TrialRecord | None:
@@ -712,13 +791,31 @@ def best(problem: Problem, store: Store, study: str) -> TrialRecord | None:
     return None
 
 
-def summarise(problem: Problem, store: Store, study: str, space: spaces.Space, gated: bool) -> TuneSummary:
+def summarise(problem: Problem, store: Store, study: str, space: spaces.Space, gated: bool,
+              also_at: list[tuple[Problem, str]] = ()) -> TuneSummary:
     """The :class:`TuneSummary` of ``study`` (a search of ``space``) as recorded in ``store``, over
-    all its workers."""
+    all its workers, with those of its companion studies (``also_at``: (problem, study) pairs)."""
     rows = store.trials(study)
     default_digest = _digest(problem, space.default(problem))
     default = next((r for r in rows if r.digest == default_digest and r.repeat_of is None), None)
-    return TuneSummary(study, Counter(r.status for r in rows), best(problem, store, study), default, gated=gated)
+    companions = tuple(summarise(p, store, name, space, gated) for p, name in also_at)
+    return TuneSummary(study, Counter(r.status for r in rows), best(problem, store, study), default, gated=gated,
+                       also_at=companions)
+
+
+def companion_problems(problem: Problem, shapes) -> list[Problem]:
+    """``problem`` at each of ``shapes`` (``BxTxH``): the companion studies' problems. A shape given
+    twice, or the problem's own, is a UserError."""
+    companions = [problem.at(shape) for shape in shapes]
+    seen = [problem.shape, *(p.shape for p in companions)]
+    if len(set(seen)) != len(seen):
+        raise UserError(f"--also-at {' '.join(shapes)}: each shape once, other than the tuned {problem.shape}")
+    return companions
+
+
+def _latencies(timing: dict) -> dict:
+    """The latency columns of a trial row from a timing dict (``bench.time_module``)."""
+    return {k: timing.get(k) for k in ("median_ms", "p10_ms", "p90_ms")}
 
 
 def _is_judgement(record: TrialRecord) -> bool:
@@ -814,6 +911,8 @@ def print_summary(summary: TuneSummary) -> None:
     console.print(table)
     if summary.speedup is not None:
         console.print(f"speed-up over the default: {summary.speedup:.2f}x")
+    for companion in summary.also_at:
+        print_summary(companion)
 
 
 class _Progress:

@@ -112,8 +112,23 @@ class Space:
         if reasons:
             raise ConstraintError(f"config refused for {problem.variant}: " + "; ".join(reasons))
 
+    def nearest_valid(self, problem: Problem, config: dict, rng) -> dict | None:
+        """A valid config that changes the fewest parameters of ``config``, ties drawn with ``rng``
+        (a ``random.Random``); None when no config of the space is valid. Where the search goes
+        when a proposal breaks a constraint: TPE sees every broken constraint as equally bad, so
+        in a space that is mostly invalid it keeps proposing invalid configs."""
+        def changed(other: dict) -> int:
+            return sum(config.get(name) != other.get(name) for name in {*config, *other})
+
+        ranked = sorted(self._grid, key=lambda c: (changed(c), rng.random()))
+        return next((c for c in ranked if not self.violations(problem, c)), None)
+
     def grid(self) -> list[dict]:
         """Every combination of values, restricted to the parameters that apply (deduplicated)."""
+        return [dict(c) for c in self._grid]
+
+    @functools.cached_property
+    def _grid(self) -> tuple[dict, ...]:
         import itertools
 
         names = list(self.params)
@@ -124,7 +139,7 @@ class Space:
             if key not in seen:
                 seen.add(key)
                 out.append(cfg)
-        return out
+        return tuple(out)
 
     @staticmethod
     def _coerce(p: Parameter, raw):

@@ -1,0 +1,78 @@
+"""Where a config's forward spends its time: CUDA events around each kernel of the module.
+
+    python benchmarks/kernel_breakdown.py --variant gdn --dk 128 --shape 4x8192x16 [--set block_dv=64 ...]
+
+The chunked splits launch several kernels (W/U, state pass, output); their sum next to the whole
+forward's time (``tuner.bench.time_forward``) shows which one the templates should work on.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from tuner import space
+from tuner.cli import parse_overrides
+from tuner.compile import load_kernels
+from tuner.inputs import make_inputs
+from tuner.problem import Problem, parse_shape
+from tuner.render import render
+
+REPS = 20
+
+
+class _Timed:
+    """A compiled kernel that records CUDA events around each launch into ``log``."""
+
+    def __init__(self, name, kernel, log):
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __call__(self, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.kernel(*args, **kwargs)
+        end.record()
+        self.log.append((self.name, start, end))
+        return out
+
+
+def breakdown(problem: Problem, config: dict) -> dict[str, float]:
+    """Mean milliseconds per forward of each kernel of ``config``."""
+    module, kernels = load_kernels(render(problem, config))
+    x = make_inputs(problem, "default", 0, torch.device("cuda"))
+    for _ in range(5):  # warm-up
+        module.forward(kernels, **x)
+    log = []
+    timed = {name: _Timed(name, kernel, log) for name, kernel in kernels.items()}
+    for _ in range(REPS):
+        module.forward(timed, **x)
+    torch.cuda.synchronize()
+    per_kernel = {}
+    for name, start, end in log:
+        per_kernel[name] = per_kernel.get(name, 0.0) + start.elapsed_time(end) / REPS
+    return per_kernel
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", required=True)
+    p.add_argument("--dk", type=int, default=128)
+    p.add_argument("--shape", default="4x8192x16", help="BxTxH (default 4x8192x16)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change the default config")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_breakdown: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    batch, seqlen, heads = parse_shape(args.shape)
+    problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
+    config = space.load(args.variant).complete(problem, parse_overrides(args.set))
+    per_kernel = breakdown(problem, config)
+    for name, ms in per_kernel.items():
+        print(f"{name:<14}{ms:8.3f} ms")
+    print(f"{'sum':<14}{sum(per_kernel.values()):8.3f} ms  ({args.variant} k{args.dk} {args.shape}, {config})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
