@@ -162,3 +162,39 @@ def test_a_template_change_is_named_among_the_changes_of_a_slowdown(tmp_path):
     make_db(tmp_path / "r.db", [after])
     stored = Store(tmp_path / "r.db", readonly=True).history()
     assert [m.digest for m in stored] == ["abc123", "def456"]  # the tuning-time entry carries the winner's digest
+
+
+def test_winners_of_one_kernel_at_several_shapes_are_gated_once_and_each_timed_at_its_shape(tmp_path, monkeypatch):
+    """`tune regress` with the real gate (child process, timing) on the CPU module in place of the kernels."""
+    from pathlib import Path
+
+    from tuner import gate, regress, space
+    from tuner.render import render
+
+    monkeypatch.setattr(environment, "has_gpu", lambda: True)
+    monkeypatch.setattr(environment, "current", lambda device=0: H200)
+    source = (Path(__file__).parent / "fixtures" / "torch_forward.py").read_text()  # the correct decay module
+    real, calls = gate.gate_and_time, []
+
+    def cpu_gate_and_time(problem, config, *, also_at=(), timeout_s, device):
+        calls.append((problem.shape, config["num_stages"], also_at))
+        return real(problem, config, also_at=also_at, source=source, timeout_s=120, device=device, regimes=["default"],
+                    seqlens=(64,), batch=1, heads=1, seeds=(0,), rep=3, warmup_ms=1)
+
+    monkeypatch.setattr(gate, "gate_and_time", cpu_gate_and_time)
+    small, large, other = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2), "2x1024x2", "1x256x1"
+    one, two = (space.load("decay").complete(small, {"num_stages": n}) for n in (2, 1))
+    store = Store(tmp_path / "r.db")
+    written = [store.write_winner(Winner(p, env, render(p, config).digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
+               for p, config, env in ((small, one, H200), (small.at(large), one, H200), (small, two, H200),
+                                      (small.at(other), one, H200),
+                                      (small.at(other), two, replace(H200, gpu="NVIDIA H100")))]
+
+    outcomes = regress.remeasure(store, device=0)
+
+    assert calls == [(small.shape, 2, (large, other)), (small.shape, 1, ())]  # one gate per kernel
+    assert [o.winner.id for o in outcomes] == [w.id for w in written]
+    assert "tuned on NVIDIA H100" in outcomes[-1].note and len(store.history(written[-1].id)) == 1
+    latest = {w.problem.shape + str(w.config["num_stages"]): store.history(w.id)[-1] for w in written[:4]}
+    assert all(m.status == "pass" and m.p10_ms <= m.median_ms <= m.p90_ms for m in latest.values())
+    assert latest[large + "2"].median_ms > latest[small.shape + "2"].median_ms  # 16 times the tokens

@@ -20,10 +20,11 @@ so the reader sees why, not just that.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import environment, variants
+from . import environment, gate, variants
 from .errors import UserError
 from .store import Measurement, Store, Winner
 
@@ -164,7 +165,9 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
 
     Winners tuned on another GPU model are listed with a note and not timed: their latency says
     nothing about this one. A winner whose config now renders a different kernel (the template
-    changed) is timed as it renders today, with a note saying so.
+    changed) is timed as it renders today, with a note saying so. Winners of one kernel at several
+    shapes are gated once and timed at each shape in the same child (``gate_and_time``'s
+    ``also_at``): the gate does not depend on the shape.
 
     Args:
         store (Store): the results database, writable.
@@ -177,26 +180,38 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
     if not environment.has_gpu():
         raise UserError("no CUDA device: `tune regress` re-times the winners on the GPU; "
                         "`tune regress --replay` judges the recorded history without one")
-    from .gate import gate_and_time
     from .render import render
 
     env = environment.current(device)
-    outcomes = []
-    for w in _selected(store, names):
+    selected = _selected(store, names)
+    outcomes: dict[int, Outcome] = {}
+    kernels: dict[tuple, list[Winner]] = {}  # one kernel -> its winners (at several shapes)
+    for w in selected:
         if w.environment.gpu != env.gpu:
-            outcomes.append(Outcome(w, None, f"tuned on {w.environment.gpu}, not timed on {env.gpu}"))
+            outcomes[w.id] = Outcome(w, None, f"tuned on {w.environment.gpu}, not timed on {env.gpu}")
             continue
-        digest = render(w.problem, w.config).digest
-        note = "" if digest == w.digest else f"template changed: kernel {w.digest} now renders as {digest}"
-        previous = store.history(w.id)
-        result = gate_and_time(w.problem, w.config, timeout_s=GATE_TIMEOUT_S, device=device)
-        timing = (result.timing or {}) if result.status == "pass" else {}
-        measurement = store.add_measurement(Measurement(
-            winner_id=w.id, status=result.status, environment=env, gate_errors=result.errors,
-            median_ms=timing.get("median_ms"), p10_ms=timing.get("p10_ms"), p90_ms=timing.get("p90_ms"),
-            digest=digest))
-        outcomes.append(Outcome(w, judge(measurement, previous), note))
-    return outcomes
+        p = w.problem
+        kernels.setdefault((p.variant, p.dk, p.dv, p.dtype, json.dumps(w.config, sort_keys=True)), []).append(w)
+    for group in kernels.values():
+        first = group[0]
+        also_at = tuple(dict.fromkeys(w.problem.shape for w in group if w.problem.shape != first.problem.shape))
+        result = gate.gate_and_time(first.problem, first.config, also_at=also_at, timeout_s=GATE_TIMEOUT_S,
+                                    device=device)
+        digest = render(first.problem, first.config).digest
+        for w in group:
+            note = "" if digest == w.digest else f"template changed: kernel {w.digest} now renders as {digest}"
+            status, timing = result.status, {}
+            if status == "pass":
+                timing = result.timing if w.problem.shape == first.problem.shape else result.timing_at[w.problem.shape]
+                if "error" in timing:
+                    status, note = "crash", f"timing at {w.problem.shape} failed: {timing['error']}"
+            previous = store.history(w.id)
+            measurement = store.add_measurement(Measurement(
+                winner_id=w.id, status=status, environment=env, gate_errors=result.errors,
+                median_ms=timing.get("median_ms"), p10_ms=timing.get("p10_ms"), p90_ms=timing.get("p90_ms"),
+                digest=digest))
+            outcomes[w.id] = Outcome(w, judge(measurement, previous), note)
+    return [outcomes[w.id] for w in selected]
 
 
 def winner_label(w: Winner) -> str:
