@@ -291,6 +291,32 @@ def test_a_seed_makes_the_sampled_configs_reproducible(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_search_space_whose_values_changed_continues_in_a_study_of_its_own(tmp_path, monkeypatch, capsys):
+    from dataclasses import replace
+
+    from tuner import search
+    from tuner.render import Rendered
+    from tuner.store import Store
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
+        problem, config, f"def programs():\n    return []\n# {config}\n"))
+    db = tmp_path / "results.db"
+    before = search.tune(SMALL, trials=2, db=str(db), jobs=1, progress=False, gate=refusing_gate([]))
+    kept = [(r.number, r.status) for r in Store(db).trials(before.study)]
+
+    sp = space.load("linear")
+    widened = replace(sp, params={**sp.params, "threads": replace(sp.params["threads"], values=(128, 256, 384))})
+    monkeypatch.setattr(search.spaces, "load", lambda variant: widened)
+    for _ in range(2):  # Optuna refuses other values for a parameter within one study; resuming finds the new one
+        after = search.tune(SMALL, trials=3, db=str(db), jobs=1, progress=False, gate=refusing_gate([]))
+        assert after.study == f"{before.study}~{widened.digest()}"
+    assert capsys.readouterr().out.count("values of threads") == 2
+    assert [(r.number, r.status) for r in Store(db).trials(before.study)] == kept  # the old study is left as it was
+    assert len([r for r in Store(db).trials(after.study) if r.status == "mismatch" and r.repeat_of is None]) == 3
+
+
+@pytest.mark.slow
 def test_compile_failures_are_recorded_and_never_gated(tmp_path, monkeypatch):
     from tuner import search
     from tuner.store import Store

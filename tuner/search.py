@@ -17,7 +17,9 @@ and the compile do not depend on the shape, so each further shape costs only its
 shape gets its own winner.
 
 The study lives in the results database beside our tables, named after the problem and the
-stack (:func:`study_name`), so re-running the same command resumes it: trials a killed run left
+stack (:func:`study_name`; when the values of a parameter in the search space changed since the
+study began, a study of its own named with ``~`` and the space's digest, as Optuna draws a
+parameter from one set of values per study), so re-running the same command resumes it: trials a killed run left
 RUNNING are settled from their recorded row or failed and re-proposed. ``trials`` is the total
 number of judged trials the study should hold, over all its workers.
 
@@ -306,7 +308,17 @@ def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.
         # Seeded by the study, how far it got and the seed or worker (_salt).
         done = 0
         if name in optuna.study.get_all_study_names(storage):
-            done = len(optuna.load_study(study_name=name, storage=storage).trials)
+            existing = optuna.load_study(study_name=name, storage=storage)
+            changed = _changed_parameters(existing, space)
+            if changed:
+                # Optuna cannot draw a parameter from other values within one study: a new one.
+                name = f"{name}~{space.digest()}"
+                print(f"tune: the values of {', '.join(changed)} in the {problem.variant} search space changed "
+                      f"since study {existing.study_name} began: continuing in study {name}")
+                if name in optuna.study.get_all_study_names(storage):
+                    done = len(optuna.load_study(study_name=name, storage=storage).trials)
+            else:
+                done = len(existing.trials)
         # constant_liar: configs other workers are judging count as bad, so TPE looks elsewhere.
         sampler = optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True,
                                              seed=zlib.crc32(f"{name}/{done}/{_salt(seed)}".encode()))
@@ -317,6 +329,17 @@ def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.
     for key, value in {**problem.as_dict(), **env.as_dict()}.items():
         study.set_user_attr(key, value)
     return study
+
+
+def _changed_parameters(study: optuna.Study, space: spaces.Space) -> list[str]:
+    """The parameters that trials of ``study`` drew from other values than ``space`` offers now."""
+    changed = set()
+    for trial in study.get_trials(deepcopy=False):
+        for name, distribution in trial.distributions.items():
+            param = space.params.get(name)
+            if param is None or tuple(getattr(distribution, "choices", ())) != tuple(param.values):
+                changed.add(name)
+    return sorted(changed)
 
 
 def _worker() -> str:

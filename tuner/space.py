@@ -112,6 +112,13 @@ class Space:
         if reasons:
             raise ConstraintError(f"config refused for {problem.variant}: " + "; ".join(reasons))
 
+    def digest(self) -> str:
+        """A short hash of the parameters' names and values: what a search draws from."""
+        import hashlib
+
+        domains = repr([(name, p.values) for name, p in self.params.items()])
+        return hashlib.sha256(domains.encode()).hexdigest()[:8]
+
     def nearest_valid(self, problem: Problem, config: dict, rng) -> dict | None:
         """A valid config that changes the fewest parameters of ``config``, ties drawn with ``rng``
         (a ``random.Random``); None when no config of the space is valid. Where the search goes
