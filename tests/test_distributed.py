@@ -225,7 +225,7 @@ PARENT = """
 import sys
 from tuner import cli, search
 args = cli.build_parser().parse_args(["run", "--variant", "linear", "--dk", "64", "--db", sys.argv[1],
-                                      "--trials", sys.argv[2], "--jobs", "1"])
+                                      "--trials", sys.argv[2], "--jobs", "1", *sys.argv[3:]])
 try:
     sys.exit(search.tune_on_gpus(cli.problem_from(args), args, [0, 1]))
 except KeyboardInterrupt:
@@ -233,27 +233,31 @@ except KeyboardInterrupt:
 """
 
 
-def start_parent(db, trials, env):
-    """``tune run --gpus 0,1`` past its device check, so that it runs here: two compile-only workers."""
-    return subprocess.Popen([sys.executable, "-c", PARENT, str(db), str(trials)], cwd=ROOT, env=env,
+def start_parent(db, trials, env, *options):
+    """``tune run --gpus 0,1 [options]`` past its device check, so that it runs here: two compile-only workers."""
+    return subprocess.Popen([sys.executable, "-c", PARENT, str(db), str(trials), *options], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.slow
 def test_one_worker_per_device_share_the_sqlite_study_and_the_parent_sums_them_up(tmp_path, cache_env):
     db = tmp_path / "results.db"
-    parent = start_parent(db, 4, cache_env)
+    parent = start_parent(db, 4, cache_env, "--also-at", "1x256x2")
     out, _ = parent.communicate(timeout=240)
     assert parent.returncode == 0, out
     pids = [int(line.split()[2]) for line in out.splitlines() if line.startswith("tune: worker ")]
     assert len(pids) == 2 and f"log {db}.gpu0.log" in out and f"log {db}.gpu1.log" in out
-    (name,) = optuna.get_all_study_names(f"sqlite:///{db}")
+    also, name = sorted(optuna.get_all_study_names(f"sqlite:///{db}"), key=lambda n: "-b1-t256-h2" not in n)
+    assert "-b1-t256-h2@" in also and "-b4-t8192-h16@" in name  # the workers passed --also-at on
     study_trials, records = assert_each_trial_recorded_once_and_no_kernel_judged_twice(f"sqlite:///{db}", name)
     compiled = [r for r in records if r.status not in ("constraint", "pruned") and r.repeat_of is None]
     assert len(compiled) == 4  # --trials counts kernels compiled, over both workers
     assert f"study {name}: {len(records)} trials" in out  # the summary is the study's, not a worker's
     assert {t.user_attrs["worker"] for t in study_trials} <= {f"{socket.gethostname()}:{pid}" for pid in pids}
     assert "latency needs a GPU" in (tmp_path / "results.db.gpu0.log").read_text()
+    at = Store(db).trials(also)  # every kernel the workers judged, once, in the study of the other shape
+    assert sorted((r.digest, r.status) for r in at) == sorted((r.digest, r.status) for r in compiled)
+    assert f"study {also}: 4 trials" in out
 
 
 @pytest.mark.slow

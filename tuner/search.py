@@ -913,15 +913,22 @@ def _latency(record: TrialRecord) -> str:
 
 
 def print_summary(summary: TuneSummary) -> None:
-    """The counts and the winner against the template's default, as a table."""
+    """The counts and the winner against the template's default, as a table, for the study and
+    for each of its companion studies (``--also-at``)."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items()))
-    console.print(f"study {summary.study}: {sum(summary.counts.values())} trials ({counts})")
+    for study in (summary, *summary.also_at):
+        _print_study(console, study)
     if not summary.gated:
         console.print("No GPU: configs were pruned and compiled only; latency needs a GPU (run again on one).")
+
+
+def _print_study(console, summary: TuneSummary) -> None:
+    from rich.table import Table
+
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items()))
+    console.print(f"study {summary.study}: {sum(summary.counts.values())} trials ({counts})")
     table = Table(title="winner vs the template's default")
     table.add_column("")
     rows = (summary.winner, summary.default)
@@ -934,8 +941,6 @@ def print_summary(summary: TuneSummary) -> None:
     console.print(table)
     if summary.speedup is not None:
         console.print(f"speed-up over the default: {summary.speedup:.2f}x")
-    for companion in summary.also_at:
-        print_summary(companion)
 
 
 class _Progress:
