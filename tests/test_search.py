@@ -283,11 +283,13 @@ def test_a_seed_makes_the_sampled_configs_reproducible(tmp_path, monkeypatch):
         problem, config, f"def programs():\n    return []\n# {config}\n"))
 
     def sampled(db, seed):
+        """The configs in the order they were asked (rows are recorded as compiles finish)."""
         search.tune(SMALL, trials=6, db=str(tmp_path / db), jobs=1, progress=False, gate=refusing_gate([]), seed=seed)
-        return [r.config for r in Store(tmp_path / db).trials()]
+        return [r.config for r in sorted(Store(tmp_path / db).trials(), key=lambda r: r.number)]
 
-    first = sampled("a.db", 7)
-    assert len(first) >= 6 and sampled("b.db", 7) == first and sampled("c.db", 8) != first
+    first, again, other = sampled("a.db", 7), sampled("b.db", 7), sampled("c.db", 8)
+    asked = min(len(first), len(again), len(other))  # a run may ask one more while the last kernel compiles
+    assert asked >= 6 and first[:asked] == again[:asked] and other[:asked] != first[:asked]
 
 
 @pytest.mark.slow

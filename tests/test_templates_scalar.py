@@ -1,13 +1,17 @@
-"""The scalar-decay templates (linear, decay, simple_gla): defaults compile for sm_90a without
-spills (ptxas), placements change the generated code, constraints refuse before rendering, and on a
-GPU the fused kernel matches the fp64 chunked oracle, tails and initial state included."""
+"""The scalar-decay templates (linear, decay, simple_gla): defaults and the chunked split compile
+for sm_90a without spills (ptxas), placements change the generated code, constraints refuse before
+rendering, and on a GPU both splits match the fp64 chunked oracle, tails and initial state included."""
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 from template_checks import (assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors,
                              rendered_config)
 
-from tuner import space
+from tuner import model, space
 from tuner.compile import load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
@@ -57,16 +61,37 @@ def test_block_dv_not_dividing_dv_is_refused_before_rendering(variant):
 @pytest.mark.parametrize("variant", SCALAR)
 def test_every_parameter_is_declared_with_doc(variant):
     sp = space.load(variant)
-    assert sp.params["split"].values == ("fused",)
+    assert sp.params["split"].values == ("fused", "chunked")
     for p in sp.params.values():
         assert p.doc.strip(), f"{variant}.{p.name} has no doc"
+
+
+@pytest.mark.parametrize("variant", SCALAR)
+@pytest.mark.parametrize("dk", (64, 128))
+def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_memory(variant, dk, cache_env):
+    # `tune compile` in a process of its own with fresh caches: TileLang reports a kernel's dynamic
+    # shared memory only when it compiles it, not when it loads it from its cache.
+    out = subprocess.run([sys.executable, "-m", "tuner.cli", "compile", "--variant", variant, "--dk", str(dk),
+                          "--set", "split=chunked", "--json"], capture_output=True, text=True, env=cache_env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["error"] is None and not report["screen_findings"], report["error"] or report["screen_findings"]
+    kernels = {k["name"]: k for k in report["kernels"]}
+    assert list(kernels) == ["chunk_state", "chunk_o"]
+    for k in kernels.values():
+        assert k["registers"] and (k["spill_stores"], k["spill_loads"]) == (0, 0) and not k["wgmma_serialized"]
+    problem = Problem(variant, dk, dk)
+    config = space.load(variant).complete(problem, {"split": "chunked"})
+    predicted = {k.name: k.smem_bytes for k in model.predict(problem, config).per_kernel}
+    assert predicted == {name: k["dynamic_smem_bytes"] for name, k in kernels.items()}
 
 
 @cuda
 @pytest.mark.parametrize("variant", SCALAR)
 @pytest.mark.parametrize("dk", (64, 128))
-def test_forward_matches_fp64_oracle(variant, dk):
-    rendered = rendered_config(variant, dk)
+@pytest.mark.parametrize("split", ("fused", "chunked"))
+def test_forward_matches_fp64_oracle(variant, dk, split):
+    rendered = rendered_config(variant, dk, split=split)
     module, compiled = load_kernels(rendered)
     C = rendered.config["chunk_size"]
     # One compile serves every length: a multiple of C, and a ragged tail, each with an initial state.
