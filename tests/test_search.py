@@ -319,6 +319,18 @@ def test_a_search_space_whose_values_changed_continues_in_a_study_of_its_own(tmp
 
 
 @pytest.mark.slow
+def test_tune_seed_on_the_command_line_reproduces_the_configs_asked(tmp_path, cache_env):
+    def asked(db):
+        result = run_tune(tmp_path / db, "--trials", "3", "--jobs", "1", "--seed", "4", env=cache_env)
+        assert result.returncode == 0, result.stderr
+        return [r[0] for r in query(tmp_path / db, "SELECT config FROM tuner_trials ORDER BY number")]
+
+    first, again = asked("a.db"), asked("b.db")  # the second run loads the kernels the first one compiled
+    n = min(len(first), len(again))  # a run may ask one more while its last kernel compiles
+    assert n >= 3 and again[:n] == first[:n]
+
+
+@pytest.mark.slow
 def test_compile_failures_are_recorded_and_never_gated(tmp_path, monkeypatch):
     from tuner import search
     from tuner.store import Store

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fix", action="append", default=[], type=name_value, metavar="NAME=VALUE",
                      help="hold one template parameter at a value and search the rest (repeatable; "
                           "a study of its own)")
+    run.add_argument("--seed", type=int, metavar="N",
+                     help="seed the sampling: the same seed, study and progress propose the same configs "
+                          "(with --gpus, worker i uses N + i)")
     run.add_argument("--also-at", action="append", default=[], type=shape, metavar="BxTxH",
                      help="also time every passing kernel at this shape and keep its own winner there "
                           "(repeatable); the search follows --batch/--seqlen/--heads")

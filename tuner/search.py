@@ -205,7 +205,7 @@ def tune_main(problem: Problem, args) -> int:
         return tune_on_gpus(problem, args, select_gpus(args.gpus))
     summary = tune(problem, trials=args.trials, timeout=args.timeout, db=args.db, storage=args.storage,
                    jobs=args.jobs, gpu=args.gpu or 0, register_budget=args.register_budget, fixed=dict(args.fix),
-                   also_at=tuple(args.also_at))
+                   also_at=tuple(args.also_at), seed=args.seed)
     print_summary(summary)
     return 0
 
@@ -270,12 +270,13 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
     command += [f"--also-at={p.shape}" for p in companions]
     workers = []
     try:
-        for device in devices:
+        for i, device in enumerate(devices):
             log = f"{_log_base(store)}.gpu{device}.log"
+            seed = [] if args.seed is None else ["--seed", str(args.seed + i)]  # one stream per worker
             with open(log, "w") as out:  # the child keeps its own descriptor
                 # Its own session: a Ctrl-C reaches the workers once, from here, not also from the terminal.
                 workers.append(subprocess.Popen(
-                    command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    command + seed, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     env={**os.environ, "CUDA_VISIBLE_DEVICES": physical[device]}))
             print(f"tune: worker {workers[-1].pid} on GPU {device} ({env.gpu}), log {log}")
         codes = [w.wait() for w in workers]
