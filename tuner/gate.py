@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from .problem import Problem
 
-__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "twin_config"]
+__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "shape_timing", "twin_config"]
 
 STATUSES = ("pass", "compile_error", "screen", "hang", "nan", "mismatch", "crash")
 # The end of the child's output kept in a crash message.
@@ -71,6 +71,15 @@ class GateResult:
         if d.get("status") not in STATUSES:
             raise ValueError(f"unknown gate status {d.get('status')!r}; expected one of {STATUSES}")
         return cls(**d)
+
+
+def shape_timing(timing_at: dict, shape: str) -> tuple[dict | None, str]:
+    """The timing ``gate_and_time`` took at ``shape``, one of its ``also_at`` (``GateResult.timing_at``),
+    or None and why there is none."""
+    timing = timing_at.get(shape)
+    if timing is None or "error" in timing:
+        return None, f"timing at {shape} failed: {(timing or {}).get('error', 'not timed')}"
+    return timing, ""
 
 
 def twin_config(config: dict) -> dict | None:

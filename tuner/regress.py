@@ -20,7 +20,6 @@ so the reader sees why, not just that.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -185,26 +184,24 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
     env = environment.current(device)
     selected = _selected(store, names)
     outcomes: dict[int, Outcome] = {}
-    kernels: dict[tuple, list[Winner]] = {}  # one kernel -> its winners (at several shapes)
+    kernels: dict[str, list[Winner]] = {}  # the kernel as it renders today -> its winners (at several shapes)
     for w in selected:
         if w.environment.gpu != env.gpu:
             outcomes[w.id] = Outcome(w, None, f"tuned on {w.environment.gpu}, not timed on {env.gpu}")
             continue
-        p = w.problem
-        kernels.setdefault((p.variant, p.dk, p.dv, p.dtype, json.dumps(w.config, sort_keys=True)), []).append(w)
-    for group in kernels.values():
+        kernels.setdefault(render(w.problem, w.config).digest, []).append(w)
+    for digest, group in kernels.items():
         first = group[0]
         also_at = tuple(dict.fromkeys(w.problem.shape for w in group if w.problem.shape != first.problem.shape))
         result = gate.gate_and_time(first.problem, first.config, also_at=also_at, timeout_s=GATE_TIMEOUT_S,
                                     device=device)
-        digest = render(first.problem, first.config).digest
         for w in group:
             note = "" if digest == w.digest else f"template changed: kernel {w.digest} now renders as {digest}"
-            status, timing = result.status, {}
-            if status == "pass":
-                timing = result.timing if w.problem.shape == first.problem.shape else result.timing_at[w.problem.shape]
-                if "error" in timing:
-                    status, note = "crash", f"timing at {w.problem.shape} failed: {timing['error']}"
+            status, timing = result.status, (result.timing or {}) if result.status == "pass" else {}
+            if status == "pass" and w.problem.shape != first.problem.shape:
+                timing, failure = gate.shape_timing(result.timing_at, w.problem.shape)
+                if timing is None:
+                    status, note, timing = "crash", failure, {}
             previous = store.history(w.id)
             measurement = store.add_measurement(Measurement(
                 winner_id=w.id, status=status, environment=env, gate_errors=result.errors,

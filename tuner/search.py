@@ -58,7 +58,7 @@ from . import environment, space as spaces
 from .environment import Environment
 from .errors import UserError
 from . import model
-from .gate import gate_and_time, twin_config
+from .gate import gate_and_time, shape_timing, twin_config
 from .problem import Problem
 from .render import RenderError, render
 from .store import Store, TrialRecord, Winner, utcnow
@@ -721,21 +721,21 @@ class _Tuner:
                 self._repeat(repeat, record)
         if candidate.digest is not None and status not in FREE_STATUSES:
             for problem, study in self.companions:
-                self._record_companion(problem, study, record, (timing_at or {}).get(problem.shape))
+                self._record_companion(problem, study, record, timing_at or {})
 
     def _record_companion(self, problem: Problem, study: optuna.Study, record: TrialRecord,
-                          timing: dict | None) -> None:
+                          timing_at: dict) -> None:
         """Record the kernel ``record`` judged in the study of ``problem`` (another shape), timed
-        there by the same gate (``timing``), unless that study judged it already. Optuna is told
+        there by the same gate (``timing_at``), unless that study judged it already. Optuna is told
         first (a companion trial is created finished, its number is only known then); a kill in
         between leaves a trial without a row, and the kernel is judged again at that shape."""
         if any(_is_judgement(r) for r in self.store.trials(study.study_name, record.digest)):
             return
         status, reason, measured = record.status, f"judged by trial {record.number} of {record.study}", {}
         if status == "pass":
-            if timing is None or "error" in timing:
-                status = "crash"
-                reason = f"timing at {problem.shape} failed: {(timing or {}).get('error', 'not timed')}; {reason}"
+            timing, failure = shape_timing(timing_at, problem.shape)
+            if timing is None:
+                status, reason = "crash", f"{failure}; {reason}"
             else:
                 measured = _latencies(timing)
         elif record.reason:
