@@ -175,6 +175,21 @@ def refusing_gate(gated: list, seconds: float = 0):
     return gate
 
 
+def empty_module(config) -> str:
+    """A module without programs, its own for each config (so its own digest): nothing to compile."""
+    return f"def programs():\n    return []\n# {config}\n"
+
+
+def without_kernels(monkeypatch, tmp_path):
+    """The tuner renders every config as :func:`empty_module`: its loop runs with nothing to compile,
+    for tests that look at the search rather than at kernels."""
+    from tuner import search
+    from tuner.render import Rendered
+
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(problem, config, empty_module(config)))
+
+
 def enqueue(db, problem, configs):
     """Create the study tune() will resume, with these configs first in line."""
     from tuner import environment, search
@@ -211,12 +226,9 @@ def test_a_hang_and_a_nan_are_recorded_and_the_study_carries_on_to_a_winner(tmp_
 @pytest.mark.slow
 def test_each_kernel_judged_is_recorded_at_every_also_at_shape_with_its_timing_and_winner(tmp_path, monkeypatch):
     from tuner import search
-    from tuner.render import Rendered
     from tuner.store import Store
 
-    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
-        problem, config, f"def programs():\n    return []\n# {config}\n"))  # the fixture gate runs its own module
+    without_kernels(monkeypatch, tmp_path)  # the fixture gate runs its own module
     db = tmp_path / "results.db"
     (nan, _), (good, _) = BEHAVIOURS[1:]
     enqueue(db, SMALL, [nan, good])
@@ -252,12 +264,9 @@ def test_each_kernel_judged_is_recorded_at_every_also_at_shape_with_its_timing_a
 @pytest.mark.slow
 def test_a_config_that_breaks_a_constraint_is_followed_by_the_nearest_valid_one(tmp_path, monkeypatch):
     from tuner import search
-    from tuner.render import Rendered
     from tuner.store import Store
 
-    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
-        problem, config, f"def programs():\n    return []\n# {config}\n"))
+    without_kernels(monkeypatch, tmp_path)
     db = tmp_path / "results.db"
     refused = {**space.load("linear").default(SMALL), "threads": 256}
     name = enqueue(db, SMALL, [refused])
@@ -275,12 +284,9 @@ def test_a_config_that_breaks_a_constraint_is_followed_by_the_nearest_valid_one(
 @pytest.mark.slow
 def test_a_seed_makes_the_sampled_configs_reproducible(tmp_path, monkeypatch):
     from tuner import search
-    from tuner.render import Rendered
     from tuner.store import Store
 
-    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
-        problem, config, f"def programs():\n    return []\n# {config}\n"))
+    without_kernels(monkeypatch, tmp_path)
 
     def sampled(db, seed):
         """The configs in the order they were asked (rows are recorded as compiles finish)."""
@@ -297,12 +303,9 @@ def test_a_search_space_whose_values_changed_continues_in_a_study_of_its_own(tmp
     from dataclasses import replace
 
     from tuner import search
-    from tuner.render import Rendered
     from tuner.store import Store
 
-    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
-        problem, config, f"def programs():\n    return []\n# {config}\n"))
+    without_kernels(monkeypatch, tmp_path)
     db = tmp_path / "results.db"
     before = search.tune(SMALL, trials=2, db=str(db), jobs=1, progress=False, gate=refusing_gate([]))
     kept = [(r.number, r.status) for r in Store(db).trials(before.study)]
@@ -378,7 +381,7 @@ def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeyp
     # others (its twin included) have nothing to compile.
     hanging = "import time\n\n\ndef programs():\n    time.sleep(3600)\n"
     monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
-        problem, config, hanging if config == stuck else f"def programs():\n    return []\n# {config}\n"))
+        problem, config, hanging if config == stuck else empty_module(config)))
     db = tmp_path / "results.db"
     enqueue(db, SMALL, [stuck, fine])
     gated = []
@@ -393,12 +396,9 @@ def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeyp
 @pytest.mark.slow
 def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tmp_path, monkeypatch):
     from tuner import search
-    from tuner.render import Rendered
     from tuner.store import Store
 
-    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
-        problem, config, f"def programs():\n    return []\n# {config}\n"))  # nothing to compile: all queue at once
+    without_kernels(monkeypatch, tmp_path)  # nothing to compile: all queue at once
     db = tmp_path / "results.db"
     default = space.load("linear").default(SMALL)
     others = [space.load("linear").complete(SMALL, {"block_dv": bdv, "num_stages": n})
