@@ -17,7 +17,9 @@ small enough to measure whole; the searches are then run on the same sub-space.
    itself, at the problem's shape, exactly as the tuner times them (``tuner.bench.time_forward``).
    A config's GPU-seconds are its gate child's wall time plus its timing. Both steps write the
    ``--sweep`` JSON as they go, so an interrupted sweep resumes where it stopped.
-3. The searches (CPU): ``tuner.search.tune`` runs at 30 and 60 trials, several times, with its
+3. The searches (CPU): ``tuner.search.tune`` runs at each ``--budgets`` trial count (30 and 60 by
+   default, and a quarter of the sweep), once per seed (``--repeats``), asking the default config
+   first and, with ``--random-start``, a random one instead, with its
    gate replaced by a lookup in the sweep's measurements: every number is a measurement from step
    2, and a search's GPU-seconds are the sum of the sweep's GPU-seconds over the configs it judged.
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tuner import space
-from tuner.compile import build_kernels
+from tuner.compile import CompileReport, build_kernels
 from tuner.problem import Problem
 from tuner.render import Rendered, render
 
@@ -23,9 +23,10 @@ def rendered_config(variant: str, dk: int, dtype: str = "bf16", **overrides) -> 
     return render(problem, {**space.load(variant).default(problem), **overrides})
 
 
-def assert_compiles_clean(rendered: Rendered, kernels: list[str], cache_dir) -> None:
+def assert_compiles_clean(rendered: Rendered, kernels: list[str], cache_dir) -> CompileReport:
     """Every program compiles for sm_90a, in the order ``kernels``, with ptxas figures, no spills,
-    no serialised wgmma (C7512), and no barrier that fewer threads reach than it waits for."""
+    no serialised wgmma (C7512), and no barrier that fewer threads reach than it waits for; returns
+    the report."""
     report, _, _ = build_kernels(rendered, cache_dir=cache_dir)
     assert report.error is None, report.error
     assert [k.name for k in report.kernels] == kernels
@@ -34,6 +35,7 @@ def assert_compiles_clean(rendered: Rendered, kernels: list[str], cache_dir) -> 
     assert not report.spills, [(k.name, k.spill_stores, k.spill_loads) for k in report.kernels]
     assert not report.wgmma_serialized, [k.name for k in report.kernels if k.wgmma_serialized]
     assert not report.rejected, report.rejected
+    return report
 
 
 def sources_per_value(variant: str, dk: int, param: str, **overrides) -> dict:

@@ -7,6 +7,8 @@ previous run. No GPU is needed.
 import json
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -180,6 +182,31 @@ def test_a_kernel_shared_with_a_compiled_config_is_not_compiled_again(tmp_path, 
     assert [asdict_kernel(k) for k in again.kernels] == [asdict_kernel(k) for k in first.kernels]
 
 
+def test_a_kernel_from_the_tilelang_cache_of_another_process_is_reported_whole(tmp_path, monkeypatch):
+    # A cache hit brings neither ptxas' lines nor the device function's launch attributes: a config
+    # whose kernel another process compiled still reports its shared memory and threads.
+    source = fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128).source
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
+    first = compile_rendered(Rendered(Problem("decay", 128, 128, "fp16"), {}, source), cache_dir=tmp_path / "a")
+    child = subprocess.run([sys.executable, "-c", CHILD_COMPILE, str(tmp_path / "b")], input=source, text=True,
+                           capture_output=True, timeout=600)
+    assert child.returncode == 0, child.stderr
+    again = CompileReport.from_dict(json.loads(child.stdout.splitlines()[-1]))
+    assert not again.cached and again.error is None
+    assert first.kernels[0].dynamic_smem_bytes and first.kernels[0].threads
+    assert [asdict_kernel(k) for k in again.kernels] == [asdict_kernel(k) for k in first.kernels]
+
+
+CHILD_COMPILE = """
+import json, sys
+from tuner.compile import compile_rendered
+from tuner.problem import Problem
+from tuner.render import Rendered
+report = compile_rendered(Rendered(Problem("decay", 128, 128, "fp16"), {}, sys.stdin.read()), cache_dir=sys.argv[1])
+print(json.dumps(report.as_dict()))
+"""
+
+
 def asdict_kernel(k):
     return {f: getattr(k, f) for f in ("registers", "spill_stores", "stack_frame", "barriers", "dynamic_smem_bytes",
-                                       "wgmma_serialized")}
+                                       "threads", "wgmma_serialized")}

@@ -3,10 +3,6 @@ for sm_90a without spills (ptxas), placements change the generated code, constra
 rendering, and on a GPU both splits match the fp64 chunked oracle, tails and initial state included."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 from template_checks import (assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors,
                              rendered_config)
@@ -68,22 +64,11 @@ def test_every_parameter_is_declared_with_doc(variant):
 
 @pytest.mark.parametrize("variant", SCALAR)
 @pytest.mark.parametrize("dk", (64, 128))
-def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_memory(variant, dk, cache_env):
-    # `tune compile` in a process of its own with fresh caches: TileLang reports a kernel's dynamic
-    # shared memory only when it compiles it, not when it loads it from its cache.
-    out = subprocess.run([sys.executable, "-m", "tuner.cli", "compile", "--variant", variant, "--dk", str(dk),
-                          "--set", "split=chunked", "--json"], capture_output=True, text=True, env=cache_env, timeout=600)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert report["error"] is None and not report["screen_findings"], report["error"] or report["screen_findings"]
-    kernels = {k["name"]: k for k in report["kernels"]}
-    assert list(kernels) == ["chunk_state", "chunk_o"]
-    for k in kernels.values():
-        assert k["registers"] and (k["spill_stores"], k["spill_loads"]) == (0, 0) and not k["wgmma_serialized"]
-    problem = Problem(variant, dk, dk)
-    config = space.load(variant).complete(problem, {"split": "chunked"})
-    predicted = {k.name: k.smem_bytes for k in model.predict(problem, config).per_kernel}
-    assert predicted == {name: k["dynamic_smem_bytes"] for name, k in kernels.items()}
+def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_memory(variant, dk, tmp_path):
+    rendered = rendered_config(variant, dk, split="chunked")
+    report = assert_compiles_clean(rendered, ["chunk_state", "chunk_o"], tmp_path)
+    predicted = {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel}
+    assert predicted == {k.name: k.dynamic_smem_bytes for k in report.kernels}
 
 
 @cuda

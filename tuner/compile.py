@@ -6,15 +6,16 @@ reads a ``prim_func``'s source through ``inspect``, so it must live in a file), 
 of ``programs()`` is compiled with ptxas in verbose mode. The figures come from the ``PTXAS
 verbose output`` record of the ``tilelang`` logger (shared/notes/tilelang-and-gpu-facts.md).
 
-Caching: a TileLang cache hit skips nvcc and with it ptxas' lines. ``build_kernels`` compiles with
-ptxas in verbose mode, keeps ptxas' lines in the kernel's TileLang cache entry (``PTXAS_FILE``) and
-stores the report beside the kernel as ``<name>.<arch>.report.json`` (the name holds the source
+Caching: a TileLang cache hit skips nvcc, and with it ptxas' lines and the device function's launch
+attributes (dynamic shared memory, threads). ``build_kernels`` compiles with ptxas in verbose mode,
+keeps each kernel's report in its TileLang cache entry (``KEPT_REPORT``) and stores the report of the
+module beside it as ``<name>.<arch>.report.json`` (the name holds the source
 digest). Asked again, ``compile_rendered`` and ``build_kernels`` reuse the stored report and load
 the kernels from TileLang's cache: what the tuner's compile pool built is what the gate runs,
 without a second nvcc. ``load_kernels`` (for running: the gate, the ops) passes the same compile
 flags, so it shares the cache entries. A kernel shared by several configs (the output kernel of
-configs that differ in the state pass) is compiled once: its ptxas lines come from the cache entry.
-Without them (an entry made by ``load_kernels``) it is compiled again with TileLang's cache off.
+configs that differ in the state pass) is compiled once: its report comes from the cache entry.
+Without one (an entry made by ``load_kernels``) it is compiled again with TileLang's cache off.
 """
 from __future__ import annotations
 
@@ -196,8 +197,8 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
         if programs:  # a module without programs (a pure-torch test double) needs no TileLang
             with _verbose_compile() as capture:
                 for name, prim_func, pass_configs in programs:
-                    kernels[name], ptxas = _compile_with_ptxas(prim_func, arch, pass_configs, capture)
-                    report.kernels.append(_kernel_report(name, kernels[name], ptxas))
+                    kernels[name], kernel_report = _compile_reported(name, prim_func, arch, pass_configs, capture)
+                    report.kernels.append(kernel_report)
     except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
         report.error = _trim(e)
         kernels = {}
@@ -267,29 +268,33 @@ def _import(name: str, path: Path) -> ModuleType:
 COMPILE_FLAGS = ["-Xptxas", "-v"]
 
 
-# ptxas' lines for a kernel, kept in its TileLang cache entry: a kernel shared by several configs
-# (the output kernel of configs that differ in the state pass) is compiled once, not once each.
-PTXAS_FILE = "linattn-ptxas.txt"
+# A kernel's report (ptxas' figures and its launch attributes), kept in its TileLang cache entry: a
+# kernel shared by several configs (the output kernel of configs that differ in the state pass) is
+# compiled once, not once each, and a cache hit (which brings neither ptxas' lines nor the device
+# function's attributes) still reports it whole.
+KEPT_REPORT = "linattn-kernel-report.json"
 
 
-def _compile_with_ptxas(prim_func, arch: str, pass_configs: dict | None, capture: "_Capture"):
-    """(kernel, ptxas output): from nvcc, else (a TileLang cache hit) from the cache entry, else
-    from a compile with TileLang's cache off."""
+def _compile_reported(name: str, prim_func, arch: str, pass_configs: dict | None,
+                      capture: "_Capture") -> tuple[object, KernelReport]:
+    """(kernel, its report): from nvcc's output, else (a TileLang cache hit) from the report kept in
+    the cache entry, else from a compile with TileLang's cache off."""
     capture.clear()
     kernel = _compile(prim_func, arch, pass_configs)
     ptxas = capture.ptxas_output()
     entry = getattr(kernel, "_tilelang_cache_path", None)
-    kept = Path(entry) / PTXAS_FILE if entry and Path(entry).is_dir() else None
+    kept = Path(entry) / KEPT_REPORT if entry and Path(entry).is_dir() else None
     if ptxas:
+        report = _kernel_report(name, kernel, ptxas)
         if kept is not None:
-            kept.write_text(ptxas)
-        return kernel, ptxas
+            kept.write_text(json.dumps({k: v for k, v in asdict(report).items() if k not in ("name", "cuda_source")}))
+        return kernel, report
     if kept is not None and kept.exists():
-        return kernel, kept.read_text()
+        return kernel, KernelReport(name=name, cuda_source=kernel.get_kernel_source(), **json.loads(kept.read_text()))
     with _tilelang_cache_off():
         capture.clear()
         kernel = _compile(prim_func, arch, pass_configs)
-    return kernel, capture.ptxas_output()
+    return kernel, _kernel_report(name, kernel, capture.ptxas_output())
 
 
 def _compile(prim_func, arch: str, pass_configs: dict | None):
