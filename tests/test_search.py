@@ -339,7 +339,10 @@ def test_compile_failures_are_recorded_and_never_gated(tmp_path, monkeypatch):
     from tuner.store import Store
 
     monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))  # the compile processes find no nvcc
+    # The compile processes find no nvcc, nor these kernels in TileLang's cache (where an earlier test
+    # of the same configs left them).
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
     db = tmp_path / "results.db"
     enqueue(db, SMALL, [c for c, _ in BEHAVIOURS[:2]])
     gated = []
@@ -366,6 +369,25 @@ def test_fixed_parameters_hold_in_every_trial_of_a_study_of_their_own(tmp_path, 
     first = min(records, key=lambda r: r.number)  # the held space's default, enqueued first
     assert first.config == space.load("linear").complete(SMALL, {"num_stages": 0, "block_dv": 32})
     assert gated and all(c["num_stages"] == 0 for c in gated)
+
+
+@pytest.mark.slow
+def test_the_default_is_asked_with_its_inherited_parameters_stated_and_configs_are_canonical(tmp_path, monkeypatch):
+    from tuner import search
+    from tuner.store import Store
+
+    without_kernels(monkeypatch, tmp_path)
+    db = tmp_path / "r.db"
+    summary = search.tune(SMALL, trials=4, db=str(db), jobs=1, progress=False, gate=refusing_gate([]),
+                          fixed={"split": "chunked"}, seed=3)
+    default = space.load("linear").complete(SMALL, {"split": "chunked"})
+    assert "block_dv_o" not in default  # it inherits block_dv
+    trials = optuna.load_study(study_name=summary.study, storage=f"sqlite:///{db}").trials
+    # Unstated, Optuna would draw block_dv_o at random and the first kernel would not be the default.
+    assert trials[0].system_attrs["fixed_params"] == {**default, "block_dv_o": default["block_dv"]}
+    records = sorted(Store(db).trials(), key=lambda r: r.number)
+    assert records[0].config == default
+    assert all(r.config.get("block_dv_o") != r.config["block_dv"] for r in records)  # never stated at its inherited value
 
 
 @pytest.mark.slow

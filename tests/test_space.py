@@ -94,3 +94,40 @@ def test_nearest_valid_is_none_when_nothing_in_the_space_is_valid():
     problem = Problem("linear", 64, 64)
     sp = space.load("linear").fix({"warp_specialized": "false", "num_stages": "2"})
     assert sp.nearest_valid(problem, sp.default(problem), random.Random(0)) is None
+
+
+def test_an_inherited_parameter_is_stated_only_where_it_differs():
+    problem = Problem("gdn", 128, 128)
+    sp = space.load("gdn")
+    default = sp.default(problem)  # chunked, block_dv 32, block_dv_o unstated
+    assert "block_dv_o" not in default and sp.params["block_dv_o"].inherit == "block_dv"
+    # One canonical form: stating the inherited value is the same config and the same kernel.
+    assert sp.normalise({**default, "block_dv_o": 32}) == default
+    assert render(problem, {**default, "block_dv_o": 32}).digest == render(problem, default).digest
+    wider = {**default, "block_dv_o": 128}
+    assert sp.normalise(wider) == wider and sp.violations(problem, wider) == []
+    assert render(problem, wider).digest != render(problem, default).digest
+    # What the search is told: every inherited parameter that applies, at its value.
+    assert sp.stated(default) == {**default, "block_dv_o": 32} and sp.stated(wider) == wider
+    fused = {**sp.default(problem), "split": "fused"}
+    assert sp.normalise({**fused, "block_dv_o": 128}) == sp.stated(fused) == fused  # it does not apply
+    chunked = [c for c in sp.grid() if c["split"] == "chunked"]
+    assert all(c.get("block_dv_o") != c["block_dv"] for c in chunked)
+    assert len(chunked) == 4 * len({tuple((k, v) for k, v in c.items() if k != "block_dv_o") for c in chunked})
+    assert sp.violations(Problem("gdn", 64, 64), wider) == [
+        "block_dv_o must divide DV: the output kernel's grid has DV / block_dv_o column blocks (dv % block_dv_o == 0)"]
+    with pytest.raises(UserError, match="not one of"):
+        sp.complete(problem, {"block_dv_o": "48"})
+
+
+def test_an_inherited_parameter_with_a_default_or_nothing_to_inherit_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(variants, "SEARCH_SPACES_DIR", tmp_path)
+    for bad in ("    inherit: block_dv\n    default: 64\n", "    inherit: block_size\n"):
+        (tmp_path / "gdn.yaml").write_text("parameters:\n  block_dv:\n    values: [32, 64]\n    default: 32\n"
+                                           "  block_dv_o:\n    values: [32, 64]\n" + bad)
+        space.load.cache_clear()
+        with pytest.raises(ValueError, match="block_dv_o inherits"):
+            space.load("gdn")
+    monkeypatch.undo()
+    space.load.cache_clear()
+    assert space.load("gdn").params["block_dv_o"].inherit == "block_dv"

@@ -1,7 +1,8 @@
 """The per-channel gate templates (gla, kda): defaults (and kda's chunked split) compile for sm_90a
 without spills (ptxas), placements change the generated code, constraints refuse before rendering,
-and on a GPU every split matches the fp64 chunked oracle with and without the 0.9 lower bound on
-the gate, tails and initial state included."""
+and on a GPU every split (kda's chunked one also with an output kernel's own DV block) matches the
+fp64 chunked oracle with and without the 0.9 lower bound on the gate, tails and initial state
+included."""
 from __future__ import annotations
 
 import pytest
@@ -75,10 +76,11 @@ def test_sub_chunks_split_the_exponent(variant, split):
 
 
 @cuda
-@pytest.mark.parametrize("variant,split", [(v, s) for v, s, _ in SPLITS])
+@pytest.mark.parametrize("variant,overrides", [(v, {"split": s}) for v, s, _ in SPLITS]
+                         + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64})])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
-def test_forward_matches_fp64_oracle(variant, split, dk, dtype):
-    rendered = rendered_config(variant, dk, dtype, split=split)
+def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
+    rendered = rendered_config(variant, dk, dtype, **overrides)
     module, compiled = load_kernels(rendered)
     C = rendered.config["chunk_size"]
     # Both gate regimes; a multiple of C and ragged tails; an initial state.

@@ -3,16 +3,17 @@
 CPU: the defaults of both splits compile for sm_90a at DK = DV = 64 and 128 without spills (ptxas)
 and without a screen rejection (tuner.screen: a barrier inside a thread-index branch that fewer
 threads enter than it waits for, seed 000's deadlock); every placement changes the generated code;
-a constraint-breaking config is refused before anything is rendered. GPU: forward() against the
-fp64 oracle.
+a constraint-breaking config is refused before anything is rendered; an output kernel with its own
+DV block (block_dv_o) compiles clean and the model knows its shared memory. GPU: forward() against
+the fp64 oracle.
 """
 from __future__ import annotations
 
 import pytest
 from template_checks import assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors, rendered_config
 
+from tuner import model, space
 from tuner import render as rendering
-from tuner import space
 from tuner.compile import load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
@@ -47,10 +48,22 @@ def test_constraint_breaking_config_refused_before_rendering(monkeypatch):
         rendering.render(problem, {**space.load("gdn").default(problem), "block_dv": 128})
 
 
+def test_an_output_block_of_its_own_compiles_clean_and_the_model_knows_its_shared_memory(tmp_path):
+    rendered = rendered_config("gdn", 64, split="chunked", block_dv=16, block_dv_o=64)
+    assert "BLOCK_DV_O = 64" in rendered.source and "(DV // BLOCK_DV_O)" in rendered.source
+    report = assert_compiles_clean(rendered, KERNELS["chunked"], tmp_path)
+    smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
+    assert {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel} == smem
+    # Only the output kernel's tiles widen: the state pass keeps its 16 columns.
+    narrow = {k.name: k.smem_bytes for k in model.predict(
+        rendered.problem, {**rendered.config, "block_dv_o": 16}).per_kernel}
+    assert narrow["chunk_state"] == smem["chunk_state"] and narrow["chunk_o"] < smem["chunk_o"]
+
+
 @cuda
-@pytest.mark.parametrize("split", ["fused", "chunked"])
-def test_forward_matches_fp64_oracle(split):
-    rendered = rendered_config("gdn", 64, split=split)
+@pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64})])
+def test_forward_matches_fp64_oracle(split, overrides):
+    rendered = rendered_config("gdn", 64, split=split, **overrides)
     module, compiled = load_kernels(rendered)
     # T a multiple of C, a tail, a tail with an initial state, and strong decay.
     for seqlen, regime in ((128, "default"), (200, "default"), (77, "initial_state"), (150, "alpha0.5")):

@@ -1,6 +1,7 @@
 """The scalar-decay templates (linear, decay, simple_gla): defaults and the chunked split compile
 for sm_90a without spills (ptxas), placements change the generated code, constraints refuse before
-rendering, and on a GPU both splits match the fp64 chunked oracle, tails and initial state included."""
+rendering, and on a GPU both splits (the chunked one also with an output kernel's own DV block) match
+the fp64 chunked oracle, tails and initial state included."""
 from __future__ import annotations
 
 import pytest
@@ -63,9 +64,9 @@ def test_every_parameter_is_declared_with_doc(variant):
 
 
 @pytest.mark.parametrize("variant", SCALAR)
-@pytest.mark.parametrize("dk", (64, 128))
-def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_memory(variant, dk, tmp_path):
-    rendered = rendered_config(variant, dk, split="chunked")
+@pytest.mark.parametrize("dk,overrides", [(64, {}), (128, {}), (128, {"block_dv_o": 128})])
+def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_memory(variant, dk, overrides, tmp_path):
+    rendered = rendered_config(variant, dk, split="chunked", **overrides)
     report = assert_compiles_clean(rendered, ["chunk_state", "chunk_o"], tmp_path)
     predicted = {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel}
     assert predicted == {k.name: k.dynamic_smem_bytes for k in report.kernels}
@@ -74,9 +75,11 @@ def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_me
 @cuda
 @pytest.mark.parametrize("variant", SCALAR)
 @pytest.mark.parametrize("dk", (64, 128))
-@pytest.mark.parametrize("split", ("fused", "chunked"))
-def test_forward_matches_fp64_oracle(variant, dk, split):
-    rendered = rendered_config(variant, dk, split=split)
+@pytest.mark.parametrize("overrides", ({"split": "fused"}, {"split": "chunked"},
+                                       {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
+                         ids=("fused", "chunked", "chunked-block_dv_o"))
+def test_forward_matches_fp64_oracle(variant, dk, overrides):
+    rendered = rendered_config(variant, dk, **overrides)
     module, compiled = load_kernels(rendered)
     C = rendered.config["chunk_size"]
     # One compile serves every length: a multiple of C, and a ragged tail, each with an initial state.

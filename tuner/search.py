@@ -326,7 +326,7 @@ def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.
         study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
                                     sampler=sampler, load_if_exists=True)
         if not study.trials:
-            study.enqueue_trial(space.default(problem))
+            study.enqueue_trial(space.stated(space.default(problem)))
     for key, value in {**problem.as_dict(), **env.as_dict()}.items():
         study.set_user_attr(key, value)
     return study
@@ -556,13 +556,14 @@ class _Tuner:
         for name, p in self.space.params.items():
             if self.space.active(name, config):
                 config[name] = trial.suggest_categorical(name, list(p.values))
+        config = self.space.normalise(config)
         candidate = _Candidate(trial, config)
         self.in_flight[trial.number] = candidate
         reasons = self.space.violations(self.problem, config)
         if reasons:
             nearest = self.space.nearest_valid(self.problem, config, self.rng)
             if nearest is not None:  # asked next, by this worker or another
-                self.study.enqueue_trial(nearest)
+                self.study.enqueue_trial(self.space.stated(nearest))
             return self._finish(candidate, "constraint", "; ".join(reasons))
         try:
             candidate.prediction = model.predict(self.problem, config).as_dict()
@@ -741,11 +742,12 @@ class _Tuner:
         elif record.reason:
             reason = f"{record.reason}; {reason}"
         infeasible = _INFEASIBLE.get(status)
+        params = self.space.stated(record.config)
         frozen = optuna.trial.create_trial(
-            params=record.config, value=measured.get("median_ms"),
+            params=params, value=measured.get("median_ms"),
             state=TrialState.COMPLETE if measured else TrialState.PRUNED,
             distributions={name: optuna.distributions.CategoricalDistribution(list(self.space.params[name].values))
-                           for name in record.config},
+                           for name in params},
             user_attrs={"status": status, "reason": reason[:500]},
             # where Trial.set_constraint keeps a constraint, as _tell sets it
             system_attrs={f"constraints:{infeasible}": 1.0} if infeasible else {})

@@ -2,7 +2,10 @@
 ``search_spaces/<variant>.yaml``, the one file that the tuner, the docs and the tests all read.
 
 A parameter has a list of ``values``, a ``default``, a ``doc`` line and optionally ``when``, an
-expression over the other parameters that says when it applies (``split == 'fused'``). A
+expression over the other parameters that says when it applies (``split == 'fused'``). In place of
+a default, a parameter may ``inherit`` another's value (``block_dv_o`` inherits ``block_dv``): a
+config states it only where it differs, so a parameter added to a template this way leaves every
+config from before it, and its kernel and digest, as it was. A
 constraint is a readable expression over the parameters and the problem's ``dk``, ``dv`` and
 ``dtype``, with the ``reason`` reported when it fails. Expressions may also use ``smem_bytes``
 and ``smem_limit``: the shared memory the model computes for the config and the per-block limit.
@@ -30,6 +33,8 @@ class Parameter:
     default: Any
     doc: str
     when: str | None = None
+    # The parameter whose value this one takes when a config does not state it (then default is None).
+    inherit: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,16 +59,30 @@ class Space:
 
     def default(self, problem: Problem) -> dict:
         """The template's default config, restricted to the parameters that apply."""
-        config = {name: p.default for name, p in self.params.items()}
-        return self.normalise(config)
+        return self.normalise(self._defaults())
+
+    def _defaults(self) -> dict:
+        return {name: p.default for name, p in self.params.items() if p.default is not None}
 
     def normalise(self, config: dict) -> dict:
-        """Drop the parameters that do not apply; order as declared."""
-        return {n: config[n] for n in self.params if n in config and self.active(n, config)}
+        """Drop the parameters that do not apply and the inherited ones at the value they would
+        inherit; order as declared. Every config has this one canonical form."""
+        return {n: config[n] for n, p in self.params.items()
+                if n in config and self.active(n, config)
+                and not (p.inherit is not None and config[n] == config.get(p.inherit))}
+
+    def stated(self, config: dict) -> dict:
+        """``config`` with every inherited parameter that applies stated at its value: what the
+        search is told a config's parameters are (Optuna draws an unstated one at random)."""
+        out = dict(config)
+        for name, p in self.params.items():
+            if p.inherit is not None and name not in out and p.inherit in out and self.active(name, out):
+                out[name] = out[p.inherit]
+        return {n: out[n] for n in self.params if n in out}
 
     def complete(self, problem: Problem, overrides: dict) -> dict:
         """The default config with ``overrides`` (name -> value, possibly strings) applied."""
-        config = {name: p.default for name, p in self.params.items()}
+        config = self._defaults()
         for name, raw in overrides.items():
             config[name] = self._coerce(self._parameter(name), raw)
         return self.normalise(config)
@@ -89,7 +108,7 @@ class Space:
         for name, p in self.params.items():
             if name in config and config[name] not in p.values:
                 reasons.append(f"{name}={config[name]!r} is not one of {list(p.values)}")
-            elif name not in config and self.active(name, {**{k: q.default for k, q in self.params.items()}, **config}):
+            elif name not in config and p.inherit is None and self.active(name, {**self._defaults(), **config}):
                 reasons.append(f"{name} is missing")
         if reasons:
             return reasons
@@ -191,11 +210,13 @@ def load(variant: str) -> Space:
     with open(spec.search_space) as f:
         doc = yaml.safe_load(f)
     params = {
-        name: Parameter(name, tuple(p["values"]), p["default"], p.get("doc", ""), p.get("when"))
+        name: Parameter(name, tuple(p["values"]), p.get("default"), p.get("doc", ""), p.get("when"), p.get("inherit"))
         for name, p in doc["parameters"].items()
     }
     constraints = tuple(Constraint(c["require"], c["reason"], c.get("when")) for c in doc.get("constraints", ()))
     for p in params.values():
-        if p.default not in p.values:
+        if p.inherit is None and p.default not in p.values:
             raise ValueError(f"{spec.search_space}: default of {p.name} is not among its values")
+        if p.inherit is not None and (p.default is not None or p.inherit not in params):
+            raise ValueError(f"{spec.search_space}: {p.name} inherits {p.inherit!r}: it needs that parameter and no default")
     return Space(variant, params, constraints)
