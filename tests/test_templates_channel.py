@@ -77,7 +77,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
 
 @cuda
 @pytest.mark.parametrize("variant,overrides", [(v, {"split": s}) for v, s, _ in SPLITS]
-                         + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64})])
+                         + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64})],
+                         ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)

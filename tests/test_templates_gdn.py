@@ -61,7 +61,8 @@ def test_an_output_block_of_its_own_compiles_clean_and_the_model_knows_its_share
 
 
 @cuda
-@pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64})])
+@pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64})],
+                         ids=("fused", "chunked", "chunked-block_dv_o"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, split=split, **overrides)
     module, compiled = load_kernels(rendered)

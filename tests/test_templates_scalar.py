@@ -1,7 +1,8 @@
 """The scalar-decay templates (linear, decay, simple_gla): defaults and the chunked split compile
 for sm_90a without spills (ptxas), placements change the generated code, constraints refuse before
-rendering, and on a GPU both splits (the chunked one also with an output kernel's own DV block) match
-the fp64 chunked oracle, tails and initial state included."""
+rendering (among them 16-column GEMMs on 256 threads, which TileLang refuses to compile), and on a
+GPU both splits (the chunked one also with an output kernel's own DV block) match the fp64 chunked
+oracle, tails and initial state included."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,10 @@ from template_checks import (assert_compiles_clean, assert_every_value_changes_s
                              rendered_config)
 
 from tuner import model, space
-from tuner.compile import load_kernels
+from tuner.compile import build_kernels, load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
-from tuner.render import render
+from tuner.render import Rendered, context, environment, render
 
 SCALAR = ("linear", "decay", "simple_gla")
 WEIGHTED = ("decay", "simple_gla")
@@ -53,6 +54,23 @@ def test_block_dv_not_dividing_dv_is_refused_before_rendering(variant):
     config = {**space.load(variant).default(problem), "block_dv": 128}
     with pytest.raises(ConstraintError, match="block_dv must divide dv"):
         render(problem, config)
+
+
+@pytest.mark.parametrize("overrides", [{"split": "fused", "block_dv": 16},
+                                       {"split": "chunked", "block_dv": 32, "block_dv_o": 16}], ids=("fused", "chunked"))
+def test_sixteen_columns_on_256_threads_fail_to_compile_and_the_space_refuses_them(overrides, tmp_path):
+    # The truth behind the two "seen" constraints: TileLang itself refuses these kernels.
+    problem = Problem("simple_gla", 128, 128)
+    config = space.load("simple_gla").normalise(
+        {**space.load("simple_gla").default(problem), "threads": 256, "scores_in": "shared", **overrides})
+    # Rendered past render()'s constraint check, as the template would emit it without the constraints.
+    source = environment().get_template(problem.spec.template.name).render(**context(problem, config))
+    rendered = Rendered(problem, config, source)
+    report, _, _ = build_kernels(rendered, cache_dir=tmp_path)
+    assert report.error and ("GMMA_MN layout" in report.error or "No valid warp partition" in report.error), report.error
+    reasons = space.load("simple_gla").violations(rendered.problem, rendered.config)
+    assert len(reasons) == 1 and "256 threads" in reasons[0], reasons
+    assert not space.load("simple_gla").violations(rendered.problem, {**rendered.config, "threads": 128})
 
 
 @pytest.mark.parametrize("variant", SCALAR)
