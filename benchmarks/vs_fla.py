@@ -5,9 +5,14 @@ this GPU) and FLA's op (with ``FLA_DISABLE_BACKEND_DISPATCH=1``, so FLA runs its
 kernels); both are timed with CUDA events and an L2 flush; the outputs are compared with each
 other (relative L2 of the output and of the final state, for every ``tuner.ops`` function of the
 variant, against the gate's tolerance) and the floor is the time to move the bytes that must move at the copy rate
-measured on the H200. Prints a table and writes JSON.
+measured on the H200. Prints a table and writes JSON; each row names the command that measured it.
 
-    FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
+    FLA_DISABLE_BACKEND_DISPATCH=1 TRITON_CACHE_AUTOTUNING=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
+
+FLA's kernels autotune on their first call at each shape (minutes for ``chunk_gla`` and
+``chunk_kda``); ``TRITON_CACHE_AUTOTUNING=1`` keeps the choices in Triton's disk cache, so a later
+run on the same machine skips them. ``--merge`` puts a run's rows into an existing JSON in place of
+the rows of the same variant, D, dtype and shape, so the table can be measured over several runs.
 """
 from __future__ import annotations
 
@@ -125,23 +130,48 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
     p.add_argument("--shape", action="append", help="BxTxH (default: the three anchor shapes)")
     p.add_argument("--json", default="benchmarks/vs_fla.json", help="where to write the rows")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows already in --json, replacing those this run measures again")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("vs_fla: needs a CUDA GPU (and FLA installed)", file=sys.stderr)
         return 2
     shapes = [parse_shape(s) for s in args.shape] if args.shape else SHAPES
+    earlier = load_rows(args.json) if args.merge else []
     rows = []
-    gpu = torch.cuda.get_device_name()
+    gpu, run = torch.cuda.get_device_name(), " ".join(["vs_fla.py", *(argv if argv is not None else sys.argv[1:])])
     for variant in args.variant or VARIANTS:
         for dk in args.dk or (128,):
             for shape in shapes:
-                rows.append({**measure(variant, dk, args.dtype, shape), "gpu": gpu})
+                rows.append({**measure(variant, dk, args.dtype, shape), "gpu": gpu, "run": run})
                 print(json.dumps(rows[-1]), flush=True)
                 with open(args.json, "w") as f:  # after every row: a killed run keeps what it measured
-                    json.dump(rows, f, indent=1)
+                    json.dump(merge(earlier, rows), f, indent=1)
     print(f"\n{gpu}, {args.dtype}, forward only; FLA with FLA_DISABLE_BACKEND_DISPATCH=1")
     print(table(rows))
     return 0
+
+
+def row_key(row: dict) -> tuple:
+    return row["variant"], row["dk"], row["dv"], row["dtype"], row["batch"], row["seqlen"], row["heads"]
+
+
+def merge(earlier: list[dict], new: list[dict]) -> list[dict]:
+    """``earlier`` with the rows of ``new``'s keys replaced by ``new``'s, ordered as the README's
+    table: D (larger first), shape (the anchor shapes first), variant (as the registry lists them)."""
+    by_key = {row_key(r): r for r in earlier} | {row_key(r): r for r in new}
+    order = {v: i for i, v in enumerate(VARIANTS)}
+    shapes = {s: i for i, s in enumerate(SHAPES)}
+    return sorted(by_key.values(), key=lambda r: (-r["dk"], shapes.get((r["batch"], r["seqlen"], r["heads"]), len(shapes)),
+                                                  order[r["variant"]]))
+
+
+def load_rows(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return []
 
 
 if __name__ == "__main__":

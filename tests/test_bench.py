@@ -55,3 +55,26 @@ def test_cuda_timing_of_a_copy_is_near_the_copy_rate():
     assert t.device == "cuda" and t.reps == 20
     rate_gbps = 2 * src.numel() / (t.median_ms * 1e-3) / 1e9
     assert 0.5 * H200_COPY_GBPS < rate_gbps < 1.2 * H200_COPY_GBPS
+
+
+def test_vs_fla_merge_replaces_remeasured_rows_and_keeps_the_rest(tmp_path):
+    """benchmarks/vs_fla.py --merge: the committed table is built over several runs on the GPU."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("vs_fla", Path(__file__).parents[1] / "benchmarks" / "vs_fla.py")
+    vs_fla = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_fla)
+
+    def row(variant, dk, shape, ms, run):
+        b, t, h = shape
+        return {"variant": variant, "dk": dk, "dv": dk, "dtype": "bf16", "batch": b, "seqlen": t, "heads": h,
+                "ours_ms": ms, "run": run}
+
+    earlier = [row("gdn", 128, (4, 8192, 16), 2.09, "old"), row("linear", 128, (4, 8192, 16), 0.18, "old"),
+               row("gdn", 128, (1, 32768, 32), 5.18, "old")]
+    new = [row("gdn", 128, (4, 8192, 16), 1.51, "new"), row("gdn", 64, (4, 8192, 16), 0.79, "new")]
+    merged = vs_fla.merge(earlier, new)
+    assert [(r["variant"], r["dk"], r["seqlen"], r["run"]) for r in merged] == [
+        ("linear", 128, 8192, "old"), ("gdn", 128, 8192, "new"), ("gdn", 128, 32768, "old"), ("gdn", 64, 8192, "new")]
+    assert vs_fla.load_rows(str(tmp_path / "absent.json")) == []
