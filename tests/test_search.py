@@ -281,6 +281,68 @@ def test_a_config_that_breaks_a_constraint_is_followed_by_the_nearest_valid_one(
     assert [t.params for t in trials] == [refused, second.config] and trials[0].constraints == {"space": 1.0}
 
 
+def test_a_trial_another_worker_took_for_lost_is_recorded_and_the_study_carries_on(tmp_path, monkeypatch):
+    """Under load a worker can outlast the orphan or heartbeat window; another worker then fails its
+    RUNNING trial and re-proposes the config (as ``_Tuner._abandon`` does). The worker holding it
+    records the outcome and goes on (it used to die telling Optuna); the re-proposal repeats it."""
+    from optuna.trial import TrialState
+
+    from tuner import search
+    from tuner.store import Store
+
+    without_kernels(monkeypatch, tmp_path)
+    db = tmp_path / "results.db"
+    refuse, gated = refusing_gate([]), []
+
+    def gate_whose_trial_is_taken(problem, config, *, timeout_s, device):
+        if not gated:  # the other worker's recover(): every RUNNING trial failed and re-proposed
+            study = optuna.load_study(study_name=optuna.get_all_study_names(f"sqlite:///{db}")[0],
+                                      storage=f"sqlite:///{db}")
+            for trial in study.get_trials(states=(TrialState.RUNNING,)):
+                study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+                study.enqueue_trial(trial.params)
+        gated.append(config)
+        return refuse(problem, config, timeout_s=timeout_s, device=device)
+
+    summary = search.tune(SMALL, trials=2, db=str(db), jobs=1, progress=False, gate=gate_whose_trial_is_taken)
+
+    records = Store(db).trials(summary.study)
+    first = next(r for r in records if r.config == gated[0])
+    assert first.status == "mismatch" and first.repeat_of is None  # the outcome of the taken trial, kept
+    assert any(r.repeat_of == first.number for r in records)  # the re-proposal found it, not judged again
+    # the study went on to --trials kernels beside the failed trial, none judged twice
+    assert len(gated) == len({json.dumps(c, sort_keys=True) for c in gated}) >= 3
+    states = {t.number: t.state for t in optuna.load_study(study_name=summary.study, storage=f"sqlite:///{db}").trials}
+    assert states[first.number] == TrialState.FAIL and TrialState.RUNNING not in states.values()
+
+
+def test_a_trial_failed_by_another_worker_inside_ask_is_left_to_it(tmp_path, monkeypatch):
+    """An untagged trial is an orphan to the other workers once ORPHAN_S old: a slow ask() can lose
+    its trial before the worker tags it. The worker drops it (the other re-proposed the config)."""
+    from optuna.trial import TrialState
+
+    from tuner import search
+    from tuner.store import Store
+
+    without_kernels(monkeypatch, tmp_path)
+    db = tmp_path / "results.db"
+    ask, taken = optuna.Study.ask, []
+
+    def ask_whose_first_trial_is_taken(study, *args, **kwargs):
+        trial = ask(study, *args, **kwargs)
+        if not taken:
+            taken.append(trial.number)
+            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        return trial
+
+    monkeypatch.setattr(optuna.Study, "ask", ask_whose_first_trial_is_taken)
+    summary = search.tune(SMALL, trials=2, db=str(db), jobs=1, progress=False, gate=refusing_gate([]))
+
+    records = Store(db).trials(summary.study)
+    assert taken == [0] and 0 not in {r.number for r in records}
+    assert len([r for r in records if r.status == "mismatch" and r.repeat_of is None]) == 2
+
+
 @pytest.mark.slow
 def test_a_seed_makes_the_sampled_configs_reproducible(tmp_path, monkeypatch):
     from tuner import search

@@ -551,11 +551,14 @@ class _Tuner:
         # Heartbeat first: a trial with one is failed by the other workers if this process dies
         # now; one without (killed right inside ask()) is failed once ORPHAN_S old (recover()).
         self.study._storage.record_heartbeat(trial._trial_id)
-        trial.set_user_attr("worker", _worker())
         config = {}
-        for name, p in self.space.params.items():
-            if self.space.active(name, config):
-                config[name] = trial.suggest_categorical(name, list(p.values))
+        try:
+            trial.set_user_attr("worker", _worker())
+            for name, p in self.space.params.items():
+                if self.space.active(name, config):
+                    config[name] = trial.suggest_categorical(name, list(p.values))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return None  # ask() outlasted ORPHAN_S: another worker failed the trial and re-proposed it
         config = self.space.normalise(config)
         candidate = _Candidate(trial, config)
         self.in_flight[trial.number] = candidate
@@ -771,7 +774,12 @@ class _Tuner:
 
     def _settle(self, candidate: _Candidate, record: TrialRecord) -> None:
         self.store.record_trial(record)
-        self._tell(candidate.trial, record)
+        try:
+            self._tell(candidate.trial, record)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Another worker took the trial for lost (a slow ask() or heartbeat under load), failed it
+            # and re-proposed its config: that trial finds this record and repeats it.
+            pass
         free = record.status in FREE_STATUSES or record.repeat_of is not None
         self.free_streak = self.free_streak + 1 if free else 0
         self.repeats += record.repeat_of is not None and record.status not in FREE_STATUSES
