@@ -426,10 +426,7 @@ class _Tuner:
             if number not in rows:
                 self._abandon(trial_id, params)
                 continue
-            try:
-                self._tell(optuna.Trial(self.study, trial_id), rows[number], skip_if_finished=True)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass  # told by another worker meanwhile
+            self._tell(optuna.Trial(self.study, trial_id), rows[number])
 
     def _abandon(self, trial_id: int, params: dict) -> None:
         """Fail a trial whose outcome is lost and re-propose its config, unless another worker
@@ -774,31 +771,32 @@ class _Tuner:
 
     def _settle(self, candidate: _Candidate, record: TrialRecord) -> None:
         self.store.record_trial(record)
-        try:
-            self._tell(candidate.trial, record)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            # Another worker took the trial for lost (a slow ask() or heartbeat under load), failed it
-            # and re-proposed its config: that trial finds this record and repeats it.
-            pass
+        self._tell(candidate.trial, record)
         free = record.status in FREE_STATUSES or record.repeat_of is not None
         self.free_streak = self.free_streak + 1 if free else 0
         self.repeats += record.repeat_of is not None and record.status not in FREE_STATUSES
         self.in_flight.pop(candidate.number, None)
         self.counts[record.status] += 1
 
-    def _tell(self, trial: optuna.Trial, record: TrialRecord, skip_if_finished: bool = False) -> None:
-        trial.set_user_attr("status", record.status)
-        if record.repeat_of is not None:
-            trial.set_user_attr("repeat_of", record.repeat_of)
-        if record.reason:
-            trial.set_user_attr("reason", record.reason[:500])
-        if record.status == "pass" and record.median_ms is not None:
-            self.study.tell(trial, record.median_ms, skip_if_finished=skip_if_finished)
-            return
-        if record.status in _INFEASIBLE:
-            over = record.prediction["registers"] - self.budget if record.status == "pruned" else 1
-            trial.set_constraint(_INFEASIBLE[record.status], float(max(over, 1)))
-        self.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=skip_if_finished)
+    def _tell(self, trial: optuna.Trial, record: TrialRecord) -> None:
+        """Tell Optuna the recorded outcome. A trial another worker finished first is left as it is:
+        it told the same row, or it took the trial for lost (a slow ask() or a missed heartbeat
+        under load), failed it and re-proposed its config, and that trial repeats this row."""
+        try:
+            trial.set_user_attr("status", record.status)
+            if record.repeat_of is not None:
+                trial.set_user_attr("repeat_of", record.repeat_of)
+            if record.reason:
+                trial.set_user_attr("reason", record.reason[:500])
+            if record.status == "pass" and record.median_ms is not None:
+                self.study.tell(trial, record.median_ms, skip_if_finished=True)
+                return
+            if record.status in _INFEASIBLE:
+                over = record.prediction["registers"] - self.budget if record.status == "pruned" else 1
+                trial.set_constraint(_INFEASIBLE[record.status], float(max(over, 1)))
+            self.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass
 
     # ---- results
 
