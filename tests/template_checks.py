@@ -18,9 +18,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def rendered_config(variant: str, dk: int, dtype: str = "bf16", **overrides) -> Rendered:
-    """The variant's default config at DK = DV = dk, with ``overrides``."""
+    """The variant's default config at DK = DV = dk, with ``overrides`` (the defaults of the parameters
+    that ``overrides`` make apply, too)."""
     problem = Problem(variant, dk, dk, dtype)
-    return render(problem, {**space.load(variant).default(problem), **overrides})
+    return render(problem, space.load(variant).complete(problem, overrides))
 
 
 def assert_compiles_clean(rendered: Rendered, kernels: list[str], cache_dir) -> CompileReport:

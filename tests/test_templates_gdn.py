@@ -1,6 +1,6 @@
 """Gated DeltaNet templates (templates/gdn.py.j2, templates/delta.py.j2, search_spaces/gdn.yaml).
 
-CPU: the defaults of both splits compile for sm_90a at DK = DV = 64 and 128 without spills (ptxas)
+CPU: the defaults of the three splits compile for sm_90a at DK = DV = 64 and 128 without spills (ptxas)
 and without a screen rejection (tuner.screen: a barrier inside a thread-index branch that fewer
 threads enter than it waits for, seed 000's deadlock); every placement changes the generated code;
 a constraint-breaking config is refused before anything is rendered; an output kernel with its own
@@ -8,6 +8,8 @@ DV block (block_dv_o) compiles clean and the model knows its shared memory. GPU:
 the fp64 oracle.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 from template_checks import assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors, rendered_config
@@ -18,12 +20,18 @@ from tuner.compile import load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
 
-KERNELS = {"fused": ["fused"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"]}
+KERNELS = {"fused": ["fused"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"], "pre_seq": ["prepare", "sequential"]}
 PLACEMENTS = ("system_in", "wu_in", "decay_in", "qk_in")
+# The placements each split has (pre_seq keeps no W and no Q * exp(gc) tile).
+SPLIT_PLACEMENTS = {"fused": PLACEMENTS, "chunked": PLACEMENTS, "pre_seq": ("system_in", "decay_in")}
+# The fastest pre_seq shape on the H200 and one with every pre_seq parameter off its default.
+PRE_SEQ_FAST = {"split": "pre_seq", "block_dv": 32}
+PRE_SEQ_ALL = {"split": "pre_seq", "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True,
+               "prepare_chunks": 2}
 
 
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("split", ["fused", "chunked"])
+@pytest.mark.parametrize("split", ["fused", "chunked", "pre_seq"])
 def test_default_compiles_without_spills_or_screen_rejection(split, dim, tmp_path):
     assert_compiles_clean(rendered_config("gdn", dim, split=split), KERNELS[split], tmp_path)
 
@@ -32,10 +40,36 @@ def test_every_placement_is_tested():
     assert {name for name in space.load("gdn").params if name.endswith("_in")} == set(PLACEMENTS)
 
 
-@pytest.mark.parametrize("split", ["fused", "chunked"])
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("split,placement", [(s, p) for s, ps in SPLIT_PLACEMENTS.items() for p in ps])
 def test_every_placement_changes_the_code(split, placement):
     assert_every_value_changes_source("gdn", 128, placement, split=split)
+
+
+@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks"])
+def test_every_pre_seq_parameter_changes_the_code(param):
+    assert_every_value_changes_source("gdn", 128, param, split="pre_seq")
+
+
+def test_pre_seq_sequential_kernel_solves_nothing_and_writes_only_o_and_the_state():
+    source = rendered_config("gdn", 128, split="pre_seq").source
+    sequential = source[source.index("def sequential"):source.index("def programs")]
+    assert "T.cumsum" not in sequential and "x_col" not in sequential and "T.exp2" not in sequential
+    written = set(re.findall(r"T\.copy\(.*, (\w+)\[", sequential))
+    assert written == {"O", "HT"}
+
+
+def test_pre_seq_every_parameter_compiles_clean_and_the_model_knows_its_shared_memory(tmp_path):
+    rendered = rendered_config("gdn", 128, **PRE_SEQ_ALL)
+    report = assert_compiles_clean(rendered, KERNELS["pre_seq"], tmp_path)
+    smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
+    assert {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel} == smem
+
+
+def test_pre_seq_parameters_do_not_apply_to_the_other_splits():
+    gdn = space.load("gdn")
+    for name in ("overlap", "prepare_chunks"):
+        assert not gdn.active(name, {"split": "chunked"}) and gdn.active(name, {"split": "pre_seq"})
+    assert not gdn.active("qk_in", {"split": "pre_seq"}) and not gdn.active("wu_in", {"split": "pre_seq"})
 
 
 def test_constraint_breaking_config_refused_before_rendering(monkeypatch):
@@ -61,10 +95,12 @@ def test_an_output_block_of_its_own_compiles_clean_and_the_model_knows_its_share
 
 
 @cuda
-@pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64})],
-                         ids=("fused", "chunked", "chunked-block_dv_o"))
+@pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64}),
+                                             ("pre_seq", PRE_SEQ_FAST), ("pre_seq", PRE_SEQ_ALL),
+                                             ("chunked", {"solve": "doubling"})],
+                         ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling"))
 def test_forward_matches_fp64_oracle(split, overrides):
-    rendered = rendered_config("gdn", 64, split=split, **overrides)
+    rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
     # T a multiple of C, a tail, a tail with an initial state, and strong decay.
     for seqlen, regime in ((128, "default"), (200, "default"), (77, "initial_state"), (150, "alpha0.5")):
