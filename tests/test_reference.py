@@ -280,3 +280,120 @@ def test_head_decay_matches_closed_form():
     ])
     o, _ = reference.recurrent("decay", **inputs)
     assert_close("o", expected, o[0, :, 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed sequences (cu_seqlens) and grouped value heads, against the independent implementation
+# run on each sequence by itself (and on q, k repeated per value head).
+
+PACKED_LENGTHS = (1, 15, 16, 17, 40)  # one token, a chunk of 16 and either side of it, several chunks
+
+
+def independent(variant, q, k, v, g, beta, initial_state):
+    """The independent implementation of ``variant`` on one batch of equal-length sequences."""
+    if variants.get(variant).delta:
+        return householder_form(q, k, v, g=g, beta=beta, initial_state=initial_state)
+    return attention_form(q, k, v, g=g, initial_state=initial_state)
+
+
+def packed(variant, lengths, H=2, K=8, V=8, seed=3):
+    """Sequences of ``lengths`` packed into B = 1, each with its own initial state, and cu_seqlens."""
+    x = random_inputs(variant, 1, sum(lengths), H, K, V, seed=seed)
+    bounds = torch.tensor((0, *torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x["initial_state"] = torch.randn(len(lengths), H, K, V, generator=gen, dtype=torch.float64)
+    return x, bounds
+
+
+def per_sequence(variant, x, bounds):
+    """The independent implementation on each packed sequence alone, joined like the packed output."""
+    outputs, states = [], []
+    per_token = variants.get(variant).gate in ("token", "channel")
+    for n, (s, e) in enumerate(zip(bounds.tolist(), bounds.tolist()[1:])):
+        o, state = independent(variant, x["q"][:, s:e], x["k"][:, s:e], x["v"][:, s:e],
+                               x["g"][:, s:e] if per_token else x["g"],
+                               None if x["beta"] is None else x["beta"][:, s:e], x["initial_state"][n:n + 1])
+        outputs.append(o)
+        states.append(state)
+    return torch.cat(outputs, dim=1), torch.cat(states)
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+@pytest.mark.parametrize("variant", list(variants.VARIANTS))
+def test_packed_sequences_match_each_sequence_alone(variant, form):
+    x, bounds = packed(variant, PACKED_LENGTHS)
+    o_ref, s_ref = per_sequence(variant, x, bounds)
+    kwargs = {} if form == "recurrent" else dict(chunk_size=16, sub_chunk=8 if variants.get(variant).per_channel else None)
+    o, s = FORMS[form](variant, **x, output_final_state=True, cu_seqlens=bounds, **kwargs)
+    assert o.shape == o_ref.shape and s.shape == (len(PACKED_LENGTHS), 2, 8, 8)
+    assert_close(f"{variant} {form} packed o", o_ref, o)
+    assert_close(f"{variant} {form} packed state", s_ref, s)
+
+
+def test_packed_chunks_restart_at_every_sequence():
+    """Had the chunked form run its chunks across the packed tensor, a sequence starting inside a chunk
+    would see the previous sequence's keys: the output would differ from the unpacked calls."""
+    x, bounds = packed("gdn", (5, 27))
+    o, _ = reference.chunked("gdn", **x, output_final_state=True, cu_seqlens=bounds, chunk_size=16)
+    whole, _ = reference.chunked("gdn", **{**x, "initial_state": x["initial_state"][:1]}, output_final_state=True,
+                                 chunk_size=16)
+    assert rel_l2(whole[:, 5:], o[:, 5:]) > 1e-3  # the second sequence does not continue the first
+    alone, _ = reference.chunked("gdn", **{n: t[:, 5:] if t is not None and t.dim() > 1 and n != "initial_state" else t
+                                           for n, t in x.items()} | {"initial_state": x["initial_state"][1:]},
+                                 output_final_state=True, chunk_size=16)
+    assert_close("second sequence alone", alone, o[:, 5:])
+
+
+def test_an_empty_sequence_passes_its_state_through():
+    x, bounds = packed("simple_gla", (4, 0, 6))
+    o, s = reference.recurrent("simple_gla", **x, output_final_state=True, cu_seqlens=bounds)
+    assert o.shape[1] == 10 and torch.equal(s[1], x["initial_state"][1])
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+@pytest.mark.parametrize("variant", reference.GROUPED_HEADS)
+def test_grouped_value_heads_match_repeated_query_and_key_heads(variant, form):
+    H, HV = 2, 6
+    x = random_inputs(variant, 2, 37, HV, 8, 8, seed=5, initial_state=True)
+    x["q"], x["k"] = x["q"][:, :, ::HV // H].contiguous(), x["k"][:, :, ::HV // H].contiguous()  # H heads
+    repeated = {**x, "q": x["q"].repeat_interleave(HV // H, dim=2), "k": x["k"].repeat_interleave(HV // H, dim=2)}
+    o_ref, s_ref = independent(variant, repeated["q"], repeated["k"], x["v"], x["g"], x["beta"], x["initial_state"])
+    kwargs = {} if form == "recurrent" else dict(chunk_size=16, sub_chunk=8 if variant == "kda" else None)
+    o, s = FORMS[form](variant, **x, output_final_state=True, **kwargs)
+    assert o.shape == (2, 37, HV, 8)
+    assert_close(f"{variant} {form} grouped o", o_ref, o)
+    assert_close(f"{variant} {form} grouped state", s_ref, s)
+
+
+def test_grouped_heads_and_packed_sequences_together():
+    x, bounds = packed("kda", (9, 20), H=4)
+    x["q"], x["k"] = x["q"][:, :, ::2].contiguous(), x["k"][:, :, ::2].contiguous()
+    o, s = reference.chunked("kda", **x, output_final_state=True, cu_seqlens=bounds, chunk_size=16, sub_chunk=8)
+    repeated = {**x, "q": x["q"].repeat_interleave(2, dim=2), "k": x["k"].repeat_interleave(2, dim=2)}
+    o_ref, s_ref = per_sequence("kda", repeated, bounds)
+    assert_close("kda grouped packed o", o_ref, o)
+    assert_close("kda grouped packed state", s_ref, s)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda x, b: ({**x, **{n: torch.cat([x[n]] * 2) for n in ("q", "k", "v", "g", "beta")}}, b),
+     "batch must be 1"),
+    (lambda x, b: (x, b.flip(0)), "must rise from 0"),
+    (lambda x, b: (x, b[:-1]), "must rise from 0"),
+    (lambda x, b: (x, b.float()), "int32/int64"),
+    (lambda x, b: ({**x, "initial_state": x["initial_state"][:2]}, b), "one state per sequence"),
+], ids=["batch", "unsorted", "short", "dtype", "states"])
+def test_bad_cu_seqlens_are_refused_with_the_reason(change, message):
+    x, bounds = packed("gdn", (3, 5, 8))
+    x, bounds = change(x, bounds)
+    with pytest.raises(UserError, match=message):
+        reference.recurrent("gdn", **x, cu_seqlens=bounds)
+
+
+def test_grouped_heads_that_do_not_divide_or_are_not_supported_are_refused():
+    x = random_inputs("gdn", 1, 8, 3, 8, 8)
+    with pytest.raises(UserError, match="multiple"):
+        reference.recurrent("gdn", **{**x, "q": x["q"][:, :, :2], "k": x["k"][:, :, :2]})
+    y = random_inputs("gla", 1, 8, 4, 8, 8)
+    with pytest.raises(UserError, match="grouped value heads are for"):
+        reference.recurrent("gla", **{**y, "q": y["q"][:, :, :2], "k": y["k"][:, :, :2]})

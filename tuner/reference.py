@@ -29,7 +29,7 @@ from . import variants
 from .errors import UserError
 from .inputs import check_layout
 
-__all__ = ["recurrent", "chunked", "kernel_mirror"]
+__all__ = ["recurrent", "chunked", "kernel_mirror", "GROUPED_HEADS"]
 
 
 @dataclass
@@ -88,7 +88,67 @@ def _initial(x: _Inputs) -> torch.Tensor:
     return torch.zeros(B, H, DK, DV, dtype=torch.float64, device=x.q.device)
 
 
-def recurrent(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False):
+# Variants whose FLA ops take grouped value heads (fewer query/key heads than value heads).
+GROUPED_HEADS = ("gdn", "kda")
+
+
+def _shared_heads(variant, q, k, v):
+    """q and k repeated to v's head count for grouped value heads (value head j reads query/key head
+    j // (HV / H), as FLA maps them); unchanged when the counts match."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) or v.shape[2] == q.shape[2]:
+        return q, k  # check_layout reports malformed inputs
+    H, HV = q.shape[2], v.shape[2]
+    if variant not in GROUPED_HEADS:
+        raise UserError(f"variant {variant!r} needs v with the heads of q ({H}), got {HV}; grouped value "
+                        f"heads are for {', '.join(GROUPED_HEADS)}")
+    if HV % H:
+        raise UserError(f"grouped value heads: v's {HV} heads must be a multiple of q's and k's {H}")
+    return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+
+
+def _sequence_bounds(cu_seqlens, q, initial_state) -> list[tuple[int, int]]:
+    """[(start, end)] of each packed sequence, after FLA's checks on cu_seqlens."""
+    if q.shape[0] != 1:
+        raise UserError(f"with cu_seqlens the batch must be 1 (sequences packed along T), got B={q.shape[0]}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise UserError(f"cu_seqlens must be a 1-D int32/int64 tensor [N + 1], got {cu_seqlens.dtype} "
+                        f"{list(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise UserError(f"cu_seqlens must rise from 0 to T={q.shape[1]}, got {bounds}")
+    if initial_state is not None and initial_state.shape[0] != len(bounds) - 1:
+        raise UserError(f"initial_state must hold one state per sequence ({len(bounds) - 1}), "
+                        f"got {initial_state.shape[0]}")
+    return list(zip(bounds, bounds[1:]))
+
+
+def _each_sequence(form, variant, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                   **options):
+    """``form`` on the inputs with grouped heads shared out, once per packed sequence (from its own
+    initial state) when cu_seqlens is given."""
+    q, k = _shared_heads(variant, q, k, v)
+    if cu_seqlens is None:
+        return form(variant, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
+    outputs, states = [], []
+    per_token = variants.get(variant).gate in ("token", "channel")
+    for n, (start, end) in enumerate(_sequence_bounds(cu_seqlens, q, initial_state)):
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        if start == end:  # an empty sequence: no output, the state passes through
+            DK, (H, DV) = q.shape[-1], v.shape[2:]
+            state = torch.zeros(1, H, DK, DV, dtype=torch.float64, device=q.device) if h0 is None else h0.double()
+            outputs.append(torch.empty(1, 0, H, DV, dtype=torch.float64, device=q.device))
+            states.append(state)
+            continue
+        o, state = form(variant, q[:, start:end], k[:, start:end], v[:, start:end],
+                        g[:, start:end] if per_token else g, None if beta is None else beta[:, start:end],
+                        scale, h0, True, **options)
+        outputs.append(o)
+        states.append(state)
+    return torch.cat(outputs, dim=1), (torch.cat(states) if output_final_state else None)
+
+
+def recurrent(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None):
     """The recurrence itself, token by token (the definition every other form is checked against).
 
     Args:
@@ -104,11 +164,23 @@ def recurrent(variant, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         initial_state (torch.Tensor): state of shape [B, H, DK, DV] before the first token.
             Default: None (zeros).
         output_final_state (bool): also return the state after the last token. Default: False.
+        cu_seqlens (torch.Tensor): packed sequences (FLA's meaning): with B = 1, sequence n is tokens
+            cu_seqlens[n]:cu_seqlens[n + 1]; the state restarts at each, from initial_state[n]
+            ([N, H, DK, DV]), and final_state is one per sequence. Default: None.
+
+    Grouped value heads (gdn, kda): q and k may have fewer heads than v, beta, g and the state (HV, a
+    multiple of H); value head j reads query/key head j // (HV / H).
 
     Returns:
-        o (torch.Tensor): outputs of shape [B, T, H, DV], float64.
-        final_state (torch.Tensor): state of shape [B, H, DK, DV], float64, or None.
+        o (torch.Tensor): outputs of shape [B, T, HV, DV], float64.
+        final_state (torch.Tensor): state of shape [B, HV, DK, DV] ([N, HV, DK, DV] packed), float64,
+            or None.
     """
+    return _each_sequence(_recurrent, variant, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          cu_seqlens)
+
+
+def _recurrent(variant, q, k, v, g, beta, scale, initial_state, output_final_state):
     x = _prepare(variant, q, k, v, g, beta, scale, initial_state)
     S = _initial(x)
     o = torch.empty(*x.v.shape, dtype=torch.float64, device=x.v.device)
@@ -220,7 +292,7 @@ def _ut_transform(A_kk, k_start, v, beta):
 
 
 def chunked(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-            chunk_size=64, sub_chunk=None):
+            chunk_size=64, sub_chunk=None, cu_seqlens=None):
     """Chunkwise form, vectorised over batch, heads and chunks; a loop over chunks carries the state.
 
     Scalar decays use the ratio form at the three positions of seed 000; the delta variants use the
@@ -228,15 +300,21 @@ def chunked(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None,
     then ``W, U = beta * X`` (beta applied after the solve, seed 001 ref_B/ref_C pairing).
 
     Args:
-        variant, q, k, v, g, beta, scale, initial_state, output_final_state: as in :func:`recurrent`.
+        variant, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens: as in
+            :func:`recurrent` (grouped value heads too); packed, chunks restart at every sequence.
         chunk_size (int): tokens per chunk, C. T need not be a multiple of it. Default: 64.
         sub_chunk (int): per-channel variants: sub-chunk length dividing C on which the exponent split
             restarts (seed 001 §2.3). Default: None (C).
 
     Returns:
-        o (torch.Tensor): outputs of shape [B, T, H, DV], float64.
-        final_state (torch.Tensor): state of shape [B, H, DK, DV], float64, or None.
+        o (torch.Tensor): outputs of shape [B, T, HV, DV], float64.
+        final_state (torch.Tensor): as in :func:`recurrent`.
     """
+    return _each_sequence(_chunked, variant, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          cu_seqlens, chunk_size=chunk_size, sub_chunk=sub_chunk)
+
+
+def _chunked(variant, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, sub_chunk):
     x = _prepare(variant, q, k, v, g, beta, scale, initial_state)
     sub = _check_chunking(x, chunk_size, sub_chunk)
     T = x.q.shape[2]
