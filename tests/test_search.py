@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import optuna
 import pytest
@@ -499,6 +500,10 @@ def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tm
     assert sorted(map(str, judged)) == sorted(map(str, gated))  # nothing queued left a row
     trials = optuna.load_study(study_name=name, storage=f"sqlite:///{db}").trials
     assert not [t for t in trials if t.state.name == "RUNNING"]
-    given_back = [t.params for t in trials if t.state.name == "FAIL"]
-    waiting = [t.system_attrs["fixed_params"] for t in trials if t.state.name == "WAITING"]  # enqueued configs
-    assert given_back and sorted(map(str, given_back)) == sorted(map(str, waiting))  # re-proposed for the next run
+    given_back = Counter(str(t.params) for t in trials if t.state.name == "FAIL")
+    waiting = Counter(str(t.system_attrs["fixed_params"]) for t in trials if t.state.name == "WAITING")
+    assert given_back and not given_back - waiting  # each re-proposed for the next run
+    # Once the queue is asked out the sampler proposes; one that breaks a constraint enqueues the
+    # nearest valid config, which waits too.
+    refused = [t for t in trials if t.user_attrs.get("status") == "constraint"]
+    assert (waiting - given_back).total() <= len(refused)
