@@ -3,6 +3,8 @@ reduce to the simpler variants where the math says so, and the checks catch the 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -397,3 +399,16 @@ def test_grouped_heads_that_do_not_divide_or_are_not_supported_are_refused():
     y = random_inputs("gla", 1, 8, 4, 8, 8)
     with pytest.raises(UserError, match="grouped value heads are for"):
         reference.recurrent("gla", **{**y, "q": y["q"][:, :, :2], "k": y["k"][:, :, :2]})
+
+
+def test_importing_the_oracles_loads_no_database_or_template_code():
+    # A gate's child process and every generated module's self-check import the oracles.
+    code = ("import sys, tuner.reference, tuner.inputs, tuner.problem; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sqlalchemy', 'optuna', 'jinja2') "
+            "or m in ('tuner.store', 'tuner.lookup')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    # The package root still gives its public names, loaded on first use.
+    code = "import tuner; print(tuner.best_config.__module__, tuner.get_variant('gdn').name)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["tuner.lookup", "gdn"]
