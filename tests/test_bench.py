@@ -6,8 +6,8 @@ from tuner.bench import H200_COPY_GBPS, floor_bytes, memory_floor_ms, time_forwa
 from tuner.problem import Problem
 
 
-def test_floor_of_the_reference_shape_matches_the_notes():
-    # Notes: reading q, k, v and writing o in bf16 at 4 x 8192 x 16, D = 128 is 0.54 GB, ~0.125 ms.
+def test_floor_of_the_reference_shape_is_the_bytes_counted_by_hand():
+    # Reading q, k, v and writing o in bf16 at 4 x 8192 x 16, D = 128 is 0.54 GB, ~0.125 ms.
     p = Problem("linear", 128, 128, "bf16", batch=4, seqlen=8192, heads=16)
     qkvo = 4 * 8192 * 16 * 128 * 4 * 2
     state = 4 * 16 * 128 * 128 * 4

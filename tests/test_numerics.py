@@ -1,4 +1,4 @@
-"""The seeds' numerical facts, reproduced in fp16 storage with fp32 accumulation (what the kernels
+"""The numerical facts of chunked linear attention, reproduced in fp16 storage with fp32 accumulation (what the kernels
 do), and the input regimes that the correctness gate draws to provoke them."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def rel_l2(ref: torch.Tensor, out: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-# ---- seed 000 §3: scalar decay inside one chunk, ratio form vs factorised form ----
+# ---- scalar decay inside one chunk, ratio form vs factorised form ----
 
 def intra_chunk_fp16(q, k, v, alpha: float, factorised: bool) -> torch.Tensor:
     """One chunk's ``(Q K^T * Gamma) V`` with ``Gamma[i, j] = alpha^(i - j)`` for ``i >= j``, in fp16.
@@ -62,7 +62,7 @@ def test_factorised_decay_overflows_fp16_below_alpha_0_8_while_ratio_form_stays_
 
 
 def test_cumulative_decay_underflows_in_fp16_unless_kept_in_log_space():
-    """seed 000 §6: cumprod of alpha in [0.5, 0.9] over C = 128 reaches 0 in fp16; the log-space
+    """cumprod of alpha in [0.5, 0.9] over C = 128 reaches 0 in fp16; the log-space
     cumsum is exact to fp16 rounding and its differences give the ratio weights."""
     gen = torch.Generator().manual_seed(0)
     alpha = 0.5 + 0.4 * torch.rand(128, generator=gen, dtype=torch.float64)
@@ -72,7 +72,7 @@ def test_cumulative_decay_underflows_in_fp16_unless_kept_in_log_space():
     assert abs(log_gamma[-1].item() - alpha.log().sum().item()) < 1e-2 * abs(alpha.log().sum().item())
 
 
-# ---- seed 001 §2: per-channel gates, exp(+-gamma) in fp16 ----
+# ---- per-channel gates, exp(+-gamma) in fp16 ----
 
 DK = 128
 
@@ -84,7 +84,7 @@ def channel_gates(regime: str, seqlen: int) -> torch.Tensor:
 
 
 def uniform_gates(low: float, seqlen: int) -> torch.Tensor:
-    """[seqlen, DK] log gates with a ~ U(low, 0.999), the seed's sampling."""
+    """[seqlen, DK] log gates with a ~ U(low, 0.999)."""
     gen = torch.Generator().manual_seed(0)
     return (low + (0.999 - low) * torch.rand(seqlen, DK, generator=gen, dtype=torch.float64)).log()
 
@@ -116,7 +116,7 @@ def test_lower_bound_0_9_keeps_both_exponentials_in_fp16_range(C):
 
 @pytest.mark.parametrize("gates", ["channel_lb0.9", "U(0.5,0.999)"])
 def test_sub_chunks_bound_the_exponent_span(gates):
-    """Restarting gamma every 16 tokens keeps exp(-gamma) small at C = 128 (seed 001 §2.3)."""
+    """Restarting gamma every 16 tokens keeps exp(-gamma) small at C = 128."""
     g = channel_gates(gates, 128) if gates == "channel_lb0.9" else uniform_gates(0.5, 128)
     whole_plus, whole_minus = split_factors_fp16(g, 128)
     plus, minus = split_factors_fp16(g, 16)

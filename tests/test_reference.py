@@ -1,5 +1,6 @@
 """The fp64 oracles: the three forms agree with each other and with an independent implementation,
-reduce to the simpler variants where the math says so, and the checks catch the seeds' bugs."""
+reduce to the simpler variants where the math says so, and the checks catch the classic bugs of
+chunked kernels."""
 from __future__ import annotations
 
 import math
@@ -173,7 +174,7 @@ def test_delta_rule_without_writes_only_decays_the_initial_state(variant, form):
     assert_close("final_state", expected_s, s)
 
 
-# ---- the checks have teeth: the seeds' classic bugs pass a degenerate setting but not a random one ----
+# ---- the checks have teeth: classic bugs pass a degenerate setting but not a random one ----
 
 def _mutated(monkeypatch, name: str, wrapper):
     original = getattr(reference, name)
@@ -181,7 +182,7 @@ def _mutated(monkeypatch, name: str, wrapper):
 
 
 def _write_exponent_off_by_one(original):
-    """k_write = k exp(gamma_C - gamma_r + g_1): one decay step too many (seed 000 §4.4)."""
+    """k_write = k exp(gamma_C - gamma_r + g_1): one decay step too many."""
     def mutated(q, k, gam, per_channel):
         q_read, k_write, k_start, state_decay = original(q, k, gam, per_channel)
         first = gam[..., :1, :] if per_channel else gam[..., :1, None]
@@ -190,7 +191,7 @@ def _write_exponent_off_by_one(original):
 
 
 def _beta_before_solve(_original):
-    """beta folded into the right-hand side instead of applied after the solve (seed 001 §3.3)."""
+    """beta folded into the right-hand side instead of applied after the solve."""
     def mutated(A_kk, k_start, v, beta):
         L = beta[..., None, :] * A_kk
         rhs = beta[..., None] * torch.cat([k_start, v], dim=-1)

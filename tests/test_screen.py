@@ -1,6 +1,6 @@
 """The barrier screen: the condition evaluator on hand-written CUDA, then real TileLang output.
 
-The real kernels are seed 000 §5's scalar-decay kernel (tests/fixtures/seed_decay_kernel.py),
+The real kernels are the first hand-written fused scalar-decay kernel (tests/fixtures/seed_decay_kernel.py),
 which deadlocked on the H200 as written and ran correctly with its weights computed inline, and a
 rendered template's default config. They compile for sm_90a without a GPU (nvcc only).
 """

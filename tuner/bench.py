@@ -18,8 +18,8 @@ from .problem import Problem
 __all__ = ["Timing", "time_forward", "time_module", "memory_floor_ms", "floor_bytes", "H200_COPY_GBPS"]
 
 # Device-to-device copy rate measured on the H200 of this project (bytes read + bytes written
-# per second): 4.3 TB/s (shared/notes/tilelang-and-gpu-facts.md, "Floors"). The datasheet's
-# 4.8 TB/s is not reached by any copy.
+# per second): 4.3 TB/s for large device-to-device copies. The datasheet's 4.8 TB/s is not
+# reached by any copy.
 H200_COPY_GBPS = 4300.0
 # Larger than the L2 of every Hopper part (50 MB on H100/H200).
 L2_FLUSH_BYTES = 256 * 1024 * 1024
@@ -134,7 +134,7 @@ def memory_floor_ms(problem: Problem, bandwidth_gbps: float = H200_COPY_GBPS, **
     """The memory-bound floor: :func:`floor_bytes` over ``bandwidth_gbps`` (GB/s, 1e9 bytes), in ms.
 
     At the default 4.3 TB/s, the linear variant at B=4, T=8192, H=16, D=128 in bf16 moves 0.537 GB
-    (plus 4 MB of final state): about 0.126 ms, the notes' 0.125 ms floor.
+    (plus 4 MB of final state): about 0.126 ms.
     """
     return floor_bytes(problem, **shape) / (bandwidth_gbps * 1e9) * 1e3
 

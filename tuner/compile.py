@@ -4,7 +4,7 @@ The rendered source is written to ``<cache>/kernels/<rendered.name>.py`` (kept f
 ``<cache>`` is ``$LINATTN_CACHE`` or ``~/.cache/linattn-tuner``), imported from that file (TileLang
 reads a ``prim_func``'s source through ``inspect``, so it must live in a file), and every program
 of ``programs()`` is compiled with ptxas in verbose mode. The figures come from the ``PTXAS
-verbose output`` record of the ``tilelang`` logger (shared/notes/tilelang-and-gpu-facts.md).
+verbose output`` record that TileLang 0.1.15 logs to the ``tilelang`` logger.
 
 Caching: a TileLang cache hit skips nvcc, and with it ptxas' lines and the device function's launch
 attributes (dynamic shared memory, threads). ``build_kernels`` compiles with ptxas in verbose mode,

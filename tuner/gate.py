@@ -1,7 +1,7 @@
 """The correctness gate: run a config against the fp64 oracle in a child process with a watchdog.
 
-A kernel that deadlocks hangs the process that launched it (shared/notes: the seed's kernel never
-returned), so every check runs in a child (``tuner._gate_worker``) in its own process group; when
+A kernel that deadlocks hangs the process that launched it (a kernel whose barrier
+not every thread reaches never returns), so every check runs in a child (``tuner._gate_worker``) in its own process group; when
 the watchdog fires the whole group is killed and the result is ``hang``. The caller never blocks
 for longer than ``timeout_s``.
 

@@ -1,4 +1,5 @@
-"""Seeded inputs in FLA's layout for the correctness gate, in regimes taken from the seeds' traps.
+"""Seeded inputs in FLA's layout for the correctness gate, in regimes that hit the numerics traps
+of chunked linear attention (underflow, overflow, masked tails, initial states).
 
 Every regime draws q, k, v from a standard normal (q and k L2-normalised along the head dim for the
 delta variants, as FLA's users do), beta uniform in (0, 1) for the delta variants, and a gate that
@@ -36,7 +37,7 @@ def regimes_for(variant: str) -> list[str]:
     """The regimes the correctness gate runs for ``variant``.
 
     Per-channel variants are gated with and without the 0.9 lower bound: unbounded gates
-    underflow exp(gamma) in fp16 and overflow exp(-gamma) (seed 001 §2), which a template must
+    underflow exp(gamma) in fp16 and overflow exp(-gamma), which a template must
     handle (the per-channel templates stage the split exponents in fp32 per sub-chunk) or refuse.
 
     Args:

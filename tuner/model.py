@@ -8,8 +8,8 @@ from the module's constants), threads, ``T.Pipelined`` stages, copies, GEMMs and
 - Shared memory is exact: :func:`shared_memory_plan` replays TileLang 0.1.15's
   ``MergeSharedMemoryAllocations`` (live ranges, stage copies, swizzle alignments, best-fit reuse).
 - Registers are a demand: the fragments and local arrays live at the busiest statement, the
-  fragments spread over the block's threads (``elements * bytes / 4 / threads`` per thread, seed
-  000 §5), scaled and offset by terms fitted per variant (:data:`FITTED`), plus a fitted term for
+  fragments spread over the block's threads (``elements * bytes / 4 / threads`` per
+  thread), scaled and offset by terms fitted per variant (:data:`FITTED`), plus a fitted term for
   a pipelined loop whose loads the block's own threads issue. The budget is 240 for the consumers when warp
   specialisation injects ``setmaxnreg``, else what the launch bounds leave (255 up to 256
   threads). With ``setmaxnreg`` ptxas reports the cap, not the demand, so spills and C7512 are

@@ -254,7 +254,7 @@ def _intra_chunk_scores(q, k, gam, per_channel: bool, sub_chunk: int):
 
 
 def _boundary_weights(q, k, gam, per_channel: bool):
-    """The chunk's three boundary decay positions (seed 000 §1.2), all exponents <= 0.
+    """The chunk's three boundary decay positions, all exponents <= 0.
 
     Returns:
         q_read (torch.Tensor): ``q_c * exp(gamma_c)``, reads the state from the chunk's start.
@@ -295,16 +295,17 @@ def chunked(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None,
             chunk_size=64, sub_chunk=None, cu_seqlens=None):
     """Chunkwise form, vectorised over batch, heads and chunks; a loop over chunks carries the state.
 
-    Scalar decays use the ratio form at the three positions of seed 000; the delta variants use the
+    Scalar decays use the ratio form at the three boundary positions (every exponent <= 0); the delta variants use the
     WY/UT transform ``X = (I + L)^{-1} [K exp(gamma) | V]``, ``L[c, i] = beta_i (k_c . k_i) decay``,
-    then ``W, U = beta * X`` (beta applied after the solve, seed 001 ref_B/ref_C pairing).
+    then ``W, U = beta * X`` (beta applied after the solve, which pairs
+    ``L_ij = beta_j M_ij`` with ``diag(beta)``, as the kernels do).
 
     Args:
         variant, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens: as in
             :func:`recurrent` (grouped value heads too); packed, chunks restart at every sequence.
         chunk_size (int): tokens per chunk, C. T need not be a multiple of it. Default: 64.
         sub_chunk (int): per-channel variants: sub-chunk length dividing C on which the exponent split
-            restarts (seed 001 §2.3). Default: None (C).
+            restarts, bounding each split exponent. Default: None (C).
 
     Returns:
         o (torch.Tensor): outputs of shape [B, T, HV, DV], float64.
@@ -335,7 +336,7 @@ def _chunked(variant, q, k, v, g, beta, scale, initial_state, output_final_state
 
 def kernel_mirror(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
                   chunk_size=64, sub_chunk=None, block_dv=32):
-    """The fused kernels' control flow in fp64 (seed 001 ref_C): a block per (DV slice, batch*head),
+    """The fused kernels' control flow in fp64: a block per (DV slice, batch*head),
     a chunk loop carrying the [DK, block_dv] state, GEMM-ised scores, and for the delta variants one
     forward substitution over ``[K exp(gamma) | V]`` with beta applied after the solve.
 

@@ -1,8 +1,8 @@
 """Static screen of generated CUDA for barriers that not every thread they wait for can reach.
 
-Seed 000's scalar-decay kernel deadlocked on the H200 because TileLang emitted a 128-thread
-barrier inside ``if ((((int)threadIdx.x) >> 6) == 0) {``, a branch only 64 of the 128 threads
-enter (shared/notes/tilelang-and-gpu-facts.md). Looking for "a barrier under an ``if``" is not
+A fused scalar-decay kernel (one block per DV slice, [C]-shaped weight fragments) deadlocked on
+the H200 because TileLang 0.1.15 emitted a 128-thread barrier inside
+``if ((((int)threadIdx.x) >> 6) == 0) {``, a branch only 64 of the 128 threads enter. Looking for "a barrier under an ``if``" is not
 enough: warp-specialised kernels open with ``if (((int)threadIdx.x) < 128) {`` and call
 ``tl::__sync_thread_partial(id, 128)`` inside, which every entering thread reaches. So the screen
 counts: for each barrier it evaluates the conditions of the enclosing branches over
