@@ -59,6 +59,7 @@ from .environment import Environment
 from .errors import UserError
 from . import model
 from .gate import gate_and_time, shape_timing, twin_config
+from .paths import written_db
 from .problem import Problem
 from .render import RenderError, render
 from .store import Store, TrialRecord, Winner, utcnow
@@ -144,7 +145,7 @@ def study_name(problem: Problem, env: Environment, space: spaces.Space | None = 
 
 
 def tune(problem: Problem, *, trials: int | None = None, timeout: float | None = None,
-         db: str = "results.db", storage: str | None = None, jobs: int = 2, gpu: int = 0,
+         db: str | None = None, storage: str | None = None, jobs: int = 2, gpu: int = 0,
          register_budget: int = 255, progress: bool = True, gate=None, fixed: dict | None = None,
          also_at: tuple[str, ...] = (), seed: int | None = None) -> TuneSummary:
     """Search ``problem``'s config space and record every outcome and the winner.
@@ -156,6 +157,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         timeout (float): after this many seconds, finish the gate in progress and give the trials
             still queued back to the study (re-proposed first on resume). Default: None.
         db (str): the results database (path or URL) and the study's storage, unless ``storage``.
+            Default: the user's own (:func:`tuner.paths.written_db`), never the shipped one unless named.
         storage (str): a database URL (e.g. ``postgresql://...``) shared by several workers: the
             study and the results both live there, in place of ``db``. Default: None.
         jobs (int): compile processes. Default: 2.
@@ -182,7 +184,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
             raise UserError(f"--{label} must be a positive number, got {value}")
     space = spaces.load(problem.variant).fix(fixed or {})  # bad input fails before the database is touched
     companions = companion_problems(problem, also_at)
-    store = Store(storage or db)  # then a database that cannot be used fails before any work
+    store = Store(storage or written_db(db))  # then a database that cannot be used fails before any work
     if gate is None and environment.has_gpu():
         gate = gate_and_time
     env = environment.current(gpu)
@@ -501,6 +503,7 @@ class _Tuner:
                 if bar:
                     bar.update()
         except BaseException:
+            _kill_workers(pool)  # an interrupted compile must not finish into the kernel cache unseen
             self._settle_lost([(c.trial._trial_id, c.number, c.trial.params) for c in self.in_flight.values()])
             raise
         finally:
@@ -871,7 +874,10 @@ def _digest(problem: Problem, config: dict) -> str | None:
 def _quiet(log_path: str) -> None:
     """Send a compile process's output (TVM prints tracebacks of failed compiles) to a log file:
     the errors are recorded in the trial rows, and the terminal keeps the progress bar."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the tuner's to handle, not a compile's
+    # A Ctrl-C is the tuner's to handle, not a compile's: in a session of its own, the process and its
+    # nvcc are out of the terminal's reach (an nvcc stopped by it would pass for a compile error).
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -886,9 +892,14 @@ def _submit(pool: cf.ProcessPoolExecutor, compiling: dict, candidate: _Candidate
 
 
 def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
-    """Kill a process pool's workers (the executor has no public way before Python 3.14)."""
+    """Kill a compile pool's workers and their compilers (each leads its own process group, see
+    :func:`_quiet`; the executor has no public way before Python 3.14). A compile killed leaves no
+    report behind: it is compiled again when asked again."""
     for process in list((pool._processes or {}).values()):
-        process.kill()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # gone, or not yet in its own group
+            process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
 
 
