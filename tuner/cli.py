@@ -227,10 +227,14 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_gate(args) -> int:
-    from . import gate
+    from . import environment, gate
 
     problem = problem_from(args)
-    result = gate.run_gate(problem, config_from(args, problem), timeout_s=args.timeout, device=args.gpu)
+    config = config_from(args, problem)  # bad input is told first
+    if not environment.has_gpu():
+        raise UserError("no CUDA device: `tune gate` runs the kernel on the GPU; "
+                        "`tune compile` compiles it and reports its resources without one")
+    result = gate.run_gate(problem, config, timeout_s=args.timeout, device=args.gpu)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
