@@ -145,6 +145,28 @@ def test_an_unusable_database_exits_2_and_is_left_byte_identical(tmp_path, conte
     assert sorted(os.listdir(tmp_path)) == ["results.db"]  # no journal or WAL beside it either
 
 
+def test_a_default_run_writes_the_users_database_and_leaves_the_shipped_one_untouched(tmp_path, monkeypatch,
+                                                                                      capsys):
+    # The README's main job (`tune --variant V --dk N`, no --db) from the repository root, as a new
+    # user runs it; nothing to compile (without_kernels), the rest is the real path.
+    from tuner import cli, paths
+
+    without_kernels(monkeypatch, tmp_path)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv(paths.DB_ENV, raising=False)
+    monkeypatch.chdir(ROOT)
+    shipped = paths.SHIPPED_DB
+    before = hashlib.sha256(shipped.read_bytes()).hexdigest(), shipped.stat().st_mtime_ns
+    beside = sorted(os.listdir(ROOT))
+    assert cli.main(["--variant", "linear", "--dk", "64", "--trials", "2"]) == 0
+    assert (hashlib.sha256(shipped.read_bytes()).hexdigest(), shipped.stat().st_mtime_ns) == before
+    assert sorted(os.listdir(ROOT)) == beside  # no -wal, -journal or .compile.log beside it either
+    user = tmp_path / "data" / "linattn-tuner" / "results.db"
+    assert [r[3] for r in rows(user)].count("compiled") == 2
+    out = capsys.readouterr().out
+    assert f"results go to {user}; compile log {user}.compile.log" in out and f"results: {user}" in out
+
+
 @contextlib.contextmanager
 def immutable(path):
     """``path`` made immutable (``chattr +i``): unwritable for every user, root included, as a
