@@ -60,6 +60,7 @@ from .environment import Environment
 from .errors import UserError
 from . import model
 from .gate import gate_and_time, shape_timing, twin_config
+from . import paths
 from .paths import written_db
 from .problem import Problem
 from .render import RenderError, render
@@ -890,8 +891,13 @@ def _is_judgement(record: TrialRecord) -> bool:
 
 
 def _log_base(store: Store) -> str:
-    """Where log files go: beside the SQLite file, or ./results for a database server."""
-    return store.path or os.path.abspath("results")
+    """Where log files go: beside the SQLite file; for a database server, ``server.*`` in the per-user
+    data folder."""
+    if store.path is not None:
+        return store.path
+    folder = paths.data_dir()  # not the working directory: a clone of this repository, often
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / "server")
 
 
 def _digest(problem: Problem, config: dict) -> str | None:
