@@ -478,13 +478,13 @@ class Store:
             engine = sa.create_engine(self.url, connect_args={"timeout": 1.0, "check_same_thread": False})
         begin = "BEGIN" if self.readonly else "BEGIN IMMEDIATE"
 
-        # pysqlite's implicit transactions start late and cannot wait for a write lock; take the
-        # lock at BEGIN instead (SQLAlchemy's documented recipe for SQLite transactions).
         # WAL: readers never block the tuner. The shipped database keeps (or gets back) rollback-journal
         # mode: a WAL file needs -wal/-shm files beside it to be read, and an installed package's
         # folder may be read-only.
         journal_mode = "DELETE" if is_shipped(self.path) else "WAL"
 
+        # pysqlite's implicit transactions start late and cannot wait for a write lock; take the
+        # lock at BEGIN instead (SQLAlchemy's documented recipe for SQLite transactions).
         @event.listens_for(engine, "connect")
         def _connect(dbapi_connection, _record):
             dbapi_connection.isolation_level = None
