@@ -36,11 +36,15 @@ from types import ModuleType
 from . import paths
 from .screen import Finding, screen
 
-__all__ = ["KernelReport", "CompileReport", "compile_rendered", "build_kernels", "load_kernels",
+__all__ = ["CompilerKilled", "KernelReport", "CompileReport", "compile_rendered", "build_kernels", "load_kernels",
            "kernels_dir", "parse_ptxas"]
 
 # Error messages keep their tail (where nvcc and TVM put the cause), at most this many characters.
 ERROR_CHARS = 4000
+
+
+class CompilerKilled(RuntimeError):
+    """The compiler was killed while it ran: no outcome of the kernel's, so none is stored."""
 
 
 @dataclass
@@ -204,9 +208,11 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
                                                                          capture)
                         report.kernels.append(kernel_report)
         except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
-            if interrupted or _compiler_killed(e):
-                # Not the kernel's outcome: stored, it would pass for a compile error in every later run.
+            # Neither is the kernel's outcome: stored, it would pass for a compile error in every later run.
+            if interrupted:
                 raise KeyboardInterrupt(f"compile of {rendered.name} interrupted") from e
+            if "died due to signal" in str(e):  # nvcc's words for a stage killed (the OOM killer, a kill)
+                raise CompilerKilled(f"{_trim(e)} (not cached: compiled again when asked again)") from e
             report.error = _trim(e)
             kernels = {}
     report.compile_seconds = round(time.perf_counter() - start, 3)
@@ -236,11 +242,6 @@ def _interrupts_seen():
         yield seen
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def _compiler_killed(e: BaseException) -> bool:
-    """Whether nvcc reported one of its stages killed by a signal (an interrupt, the OOM killer)."""
-    return "died due to signal" in str(e)
 
 
 def load_kernels(rendered, arch: str = "sm_90a", cache_dir=None) -> tuple[ModuleType, dict]:
