@@ -41,3 +41,12 @@ def test_user_mistakes_exit_2_with_one_line(args, expected):
     assert lines[0].startswith("tune: error: ")
     assert expected in lines[0]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the gate runs where there is a GPU")
+def test_the_gate_without_a_gpu_says_it_needs_one_in_one_line():
+    out = run_tune("gate", "--variant", "linear", "--dk", "64")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "tune: error: no CUDA device: `tune gate` runs the kernel on the GPU; "
+        "`tune compile` compiles it and reports its resources without one"]

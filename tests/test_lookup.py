@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tuner import lookup, space
+from tuner import lookup, paths, space
 from tuner.environment import Environment
 from tuner.lookup import best_config
 from tuner.problem import Problem
@@ -33,6 +33,7 @@ def no_shipped_db(tmp_path, monkeypatch):
     """Point the shipped database at a file of the test's own (absent unless a test writes it)."""
     monkeypatch.setattr(lookup, "SHIPPED_DB", tmp_path / "shipped.db")
     monkeypatch.delenv(lookup.DB_ENV, raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # no per-user database either
 
 
 def ask(db, env=H200, **shape):
@@ -162,7 +163,7 @@ def test_the_shipped_database_is_read_without_side_files(tmp_path, monkeypatch):
     import shutil
 
     shipped = tmp_path / "results.db"
-    shutil.copy(lookup.ROOT / "results.db", shipped)  # the real one (the fixture above points elsewhere)
+    shutil.copy(paths.SHIPPED_DB, shipped)  # the real one (the fixture above points elsewhere)
     assert shipped.read_bytes()[18:20] == b"\x01\x01"  # file format: rollback journal, not WAL
     monkeypatch.setattr(lookup, "SHIPPED_DB", shipped)
     found = best_config("gdn", 128, device=None)

@@ -198,3 +198,19 @@ def test_winners_of_one_kernel_at_several_shapes_are_gated_once_and_each_timed_a
     latest = {w.problem.shape + str(w.config["num_stages"]): store.history(w.id)[-1] for w in written[:4]}
     assert all(m.status == "pass" and m.p10_ms <= m.median_ms <= m.p90_ms for m in latest.values())
     assert latest[large + "2"].median_ms > latest[small.shape + "2"].median_ms  # 16 times the tokens
+
+
+def test_winners_of_one_problem_are_told_apart_in_the_replay(tmp_path):
+    # Studies with parameters held (--fix split=...) keep winners of their own for one problem.
+    db = tmp_path / "r.db"
+    make_db(db, [])
+    store = Store(db)
+    store.write_winner(Winner(Problem("gdn", 128, 128), H200, "def456", {"split": "pre_seq", "chunk_size": 64},
+                              0.8, 0.78, 0.83, {"o": 1e-3}, "study+split=pre_seq", 3, updated_at=T0), "pass")
+    store.write_winner(Winner(Problem("kda", 128, 128), H200, "0aa111", {"split": "chunked", "chunk_size": 64},
+                              2.0, 1.9, 2.1, {"o": 1e-3}, "kda study", 1, updated_at=T0), "pass")
+    store.close()
+    out = run_tune("regress", "--replay", "--db", str(db)).stdout
+    assert "gdn k128 v128 bf16 B4 T8192 H16 · split=chunked" in out
+    assert "gdn k128 v128 bf16 B4 T8192 H16 · split=pre_seq" in out
+    assert "kda k128 v128 bf16 B4 T8192 H16 " in out and "H16 · chunk_size" not in out  # alone: nothing added

@@ -1,5 +1,6 @@
 """The tuning loop against real processes and real SQLite files: a compile-only study of
 ``linear`` at dk=64, killed with SIGKILL and resumed; bad input; a locked database."""
+import contextlib
 import hashlib
 import json
 import os
@@ -142,6 +143,97 @@ def test_an_unusable_database_exits_2_and_is_left_byte_identical(tmp_path, conte
     assert str(db) in line and "left untouched" in line
     assert hashlib.sha256(db.read_bytes()).hexdigest() == before
     assert sorted(os.listdir(tmp_path)) == ["results.db"]  # no journal or WAL beside it either
+
+
+def test_a_default_run_writes_the_users_database_and_leaves_the_shipped_one_untouched(tmp_path, monkeypatch,
+                                                                                      capsys):
+    # The README's main job (`tune --variant V --dk N`, no --db) from the repository root, as a new
+    # user runs it; nothing to compile (without_kernels), the rest is the real path.
+    from tuner import cli, paths
+
+    without_kernels(monkeypatch, tmp_path)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv(paths.DB_ENV, raising=False)
+    monkeypatch.chdir(ROOT)
+    shipped = paths.SHIPPED_DB
+    before = hashlib.sha256(shipped.read_bytes()).hexdigest(), shipped.stat().st_mtime_ns
+    beside = sorted(os.listdir(ROOT))
+    assert cli.main(["--variant", "linear", "--dk", "64", "--trials", "2"]) == 0
+    assert (hashlib.sha256(shipped.read_bytes()).hexdigest(), shipped.stat().st_mtime_ns) == before
+    assert sorted(os.listdir(ROOT)) == beside  # no -wal, -journal or .compile.log beside it either
+    user = tmp_path / "data" / "linattn-tuner" / "results.db"
+    assert [r[3] for r in rows(user)].count("compiled") == 2
+    out = capsys.readouterr().out
+    assert f"results go to {user}; compile log {user}.compile.log" in out and f"results: {user}" in out
+
+
+@contextlib.contextmanager
+def immutable(path):
+    """``path`` made immutable (``chattr +i``): unwritable for every user, root included, as a
+    mode-0444 file is for an ordinary one (the tests run as root, whom file modes do not stop)."""
+    made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"chattr +i is not available here: {made.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_database_the_user_may_not_write_exits_2_before_anything_compiles(tmp_path, cache_env):
+    from tuner.store import Store
+
+    db = tmp_path / "results.db"
+    Store(db).close()  # an existing, sound results database
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    with immutable(db):
+        line = one_error_line(run_tune(db, "--trials", "1", env=cache_env, timeout=120))
+    assert str(db) in line and "read-only" in line
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    assert not list((tmp_path / "cache").rglob("*.report.json"))  # no kernel compiled
+
+
+def compiler_running_under(pid: int) -> bool:
+    """Whether an nvcc (or a stage it runs) is a descendant of process ``pid``."""
+    parents, names = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        parents[int(entry)], names[int(entry)] = int(fields[1]), name
+    def descends(p):
+        while p > 1:
+            if p == pid:
+                return True
+            p = parents.get(p, 0)
+        return False
+    return any(name in ("nvcc", "cicc", "ptxas", "cudafe++") and descends(p) for p, name in names.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["run", "--trials", "1", "--jobs", "1"], ["compile"]], ids=["tune", "compile"])
+def test_ctrl_c_during_a_compile_leaves_nothing_a_later_run_believes(tmp_path, cache_env, command):
+    db = ["--db", str(tmp_path / "results.db")] if command[0] == "run" else []
+    cmd = [sys.executable, "-m", "tuner.cli", command[0], "--variant", "linear", "--dk", "64", *command[1:], *db]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cache_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not compiler_running_under(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, "no compiler was seen running"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert not list((tmp_path / "cache").rglob("*.report.json")), out  # nothing stored for the compile cut off
+    again = subprocess.run(cmd, cwd=ROOT, env=cache_env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    if command[0] == "run":
+        assert [r[3] for r in rows(tmp_path / "results.db")] == ["compiled"]  # the default, compiled this time
+    else:
+        assert ": ok, 1 kernel(s)" in again.stdout and "cached report" not in again.stdout
 
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "torch_forward.py")

@@ -1,6 +1,7 @@
 """The results database against real SQLite files: idempotent trial rows, winners kept by key,
 history, calibration, and refusal of foreign, damaged and long-locked files."""
 import hashlib
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -184,3 +185,22 @@ def test_readonly_store_reads_beside_a_writer_and_changes_nothing(tmp_path):
     assert Store(empty, readonly=True).winners() == []  # a database without our tables: no rows
     with pytest.raises(DatabaseError, match="does not exist"):
         Store(tmp_path / "missing.db", readonly=True)
+
+
+def test_the_shipped_database_is_written_in_rollback_journal_mode(tmp_path, monkeypatch):
+    # An installed package may sit in a read-only folder, where a WAL database cannot be read.
+    from tuner import paths
+
+    shipped = tmp_path / "results.db"
+    shutil.copy(paths.SHIPPED_DB, shipped)
+    with sqlite3.connect(shipped) as con:  # as a tuning run into it once left it
+        con.execute("PRAGMA journal_mode=WAL")
+    monkeypatch.setattr(paths, "SHIPPED_DB", shipped)
+    store = Store(shipped)
+    store.record_trial(trial(10**6, study="journal-mode test"))
+    store.close()
+    assert shipped.read_bytes()[18:20] == b"\x01\x01"  # file format bytes: rollback journal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.db"]
+    other = tmp_path / "user.db"  # any other database: WAL, so that readers never block the tuner
+    Store(other).record_trial(trial(1))
+    assert other.read_bytes()[18:20] == b"\x02\x02"

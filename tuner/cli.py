@@ -60,8 +60,15 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help="override one template parameter of the default config (repeatable)")
 
 
-def _add_db(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", default="results.db", metavar="PATH", help="results database (default results.db)")
+def _add_db(p: argparse.ArgumentParser, writes: bool = False) -> None:
+    if writes:  # results go to the user's database; the shipped results.db only when named
+        from .paths import DB_ENV, user_db
+
+        p.add_argument("--db", metavar="PATH",
+                       help=f"results database written (default ${DB_ENV}, else {user_db()}; the shipped "
+                            "results.db only when named, e.g. --db results.db for winners to commit)")
+    else:
+        p.add_argument("--db", default="results.db", metavar="PATH", help="results database (default results.db)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,14 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="search, gate, time and record the best config (the main job)",
                          description="Search the variant's space with Optuna under the register budget; "
                                      "compile candidates on CPU, gate and time them on the GPU, record every "
-                                     "outcome and the winner. Without a GPU everything but gate and timing runs.")
+                                     "outcome and the winner. Without a GPU everything but gate and timing runs. "
+                                     "Results go to your own database (see --db), which tuner.best_config reads "
+                                     "over the shipped results.db.")
     _add_problem(run)
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--trials", type=_positive, metavar="N", help="kernels to compile and judge (default 40); broken constraints, "
                                                                          "model prunes and repeats are free")
     budget.add_argument("--timeout", type=_positive, metavar="S", help="stop after S seconds plus the gate in progress; queued trials "
                                                                           "are given back to the study for the next run")
-    _add_db(run)
+    _add_db(run, writes=True)
     run.add_argument("--storage", metavar="URL",
                      help="database URL shared by workers on several hosts, e.g. postgresql://user:pw@host/db: "
                           "the study and the results live there instead of --db")
@@ -133,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem(cal, shape=False)
     cal.add_argument("--samples", type=_positive, default=40, metavar="K", help="configs to compile (default 40)")
     cal.add_argument("--seed", type=int, default=0, help="sampling seed")
-    _add_db(cal)
+    _add_db(cal, writes=True)
 
     reg = sub.add_parser("regress", help="re-gate and re-time stored winners; exit 1 on a regression")
     reg.add_argument("--variant", action="append", metavar="V", help="limit to these variants (repeatable)")
@@ -218,10 +227,14 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_gate(args) -> int:
-    from . import gate
+    from . import environment, gate
 
     problem = problem_from(args)
-    result = gate.run_gate(problem, config_from(args, problem), timeout_s=args.timeout, device=args.gpu)
+    config = config_from(args, problem)  # bad input is told first
+    if not environment.has_gpu():
+        raise UserError("no CUDA device: `tune gate` runs the kernel on the GPU; "
+                        "`tune compile` compiles it and reports its resources without one")
+    result = gate.run_gate(problem, config, timeout_s=args.timeout, device=args.gpu)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
@@ -244,14 +257,17 @@ def _cmd_predict(args) -> int:
 def _cmd_calibrate(args) -> int:
     problem = problem_from(args)
     from . import model
+    from .paths import written_db
 
-    return model.calibrate_main(problem, samples=args.samples, seed=args.seed, db=args.db)
+    return model.calibrate_main(problem, samples=args.samples, seed=args.seed, db=written_db(args.db))
 
 
 def _cmd_run(args) -> int:
     problem = problem_from(args)
     from . import search
+    from .paths import written_db
 
+    args.db = written_db(args.db)
     return search.tune_main(problem, args)
 
 

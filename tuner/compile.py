@@ -25,19 +25,26 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from . import paths
 from .screen import Finding, screen
 
-__all__ = ["KernelReport", "CompileReport", "compile_rendered", "build_kernels", "load_kernels",
+__all__ = ["CompilerKilled", "KernelReport", "CompileReport", "compile_rendered", "build_kernels", "load_kernels",
            "kernels_dir", "parse_ptxas"]
 
 # Error messages keep their tail (where nvcc and TVM put the cause), at most this many characters.
 ERROR_CHARS = 4000
+
+
+class CompilerKilled(RuntimeError):
+    """The compiler was killed while it ran: no outcome of the kernel's, so none is stored."""
 
 
 @dataclass
@@ -145,9 +152,8 @@ class CompileReport:
 
 def kernels_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """Where rendered modules and reports are kept: ``<cache_dir or $LINATTN_CACHE or
-    ~/.cache/linattn-tuner>/kernels``."""
-    root = cache_dir or os.environ.get("LINATTN_CACHE") or Path.home() / ".cache" / "linattn-tuner"
-    path = Path(root) / "kernels"
+    ~/.cache/linattn-tuner>/kernels`` (:func:`tuner.paths.cache_dir`)."""
+    path = Path(cache_dir or paths.cache_dir()) / "kernels"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -191,22 +197,51 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
     kernels = {}
     module = None
     start = time.perf_counter()
-    try:
-        module = _import(rendered.name, source_path)
-        programs = module.programs()
-        if programs:  # a module without programs (a pure-torch test double) needs no TileLang
-            with _verbose_compile() as capture:
-                for name, prim_func, pass_configs in programs:
-                    kernels[name], kernel_report = _compile_reported(name, prim_func, arch, pass_configs, capture)
-                    report.kernels.append(kernel_report)
-    except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
-        report.error = _trim(e)
-        kernels = {}
+    with _interrupts_seen() as interrupted:
+        try:
+            module = _import(rendered.name, source_path)
+            programs = module.programs()
+            if programs:  # a module without programs (a pure-torch test double) needs no TileLang
+                with _verbose_compile() as capture:
+                    for name, prim_func, pass_configs in programs:
+                        kernels[name], kernel_report = _compile_reported(name, prim_func, arch, pass_configs,
+                                                                         capture)
+                        report.kernels.append(kernel_report)
+        except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
+            # Neither is the kernel's outcome: stored, it would pass for a compile error in every later run.
+            if interrupted:
+                raise KeyboardInterrupt(f"compile of {rendered.name} interrupted") from e
+            if "died due to signal" in str(e):  # nvcc's words for a stage killed (the OOM killer, a kill)
+                raise CompilerKilled(f"{_trim(e)} (not cached: compiled again when asked again)") from e
+            report.error = _trim(e)
+            kernels = {}
     report.compile_seconds = round(time.perf_counter() - start, 3)
     for k in report.kernels:
         report.screen_findings += screen(k.cuda_source, k.threads or threads)
-    _report_path(rendered, arch, cache_dir).write_text(json.dumps(report.as_dict(with_source=False), indent=1))
+    _write_atomically(_report_path(rendered, arch, cache_dir), json.dumps(report.as_dict(with_source=False), indent=1))
     return report, module, kernels
+
+
+@contextlib.contextmanager
+def _interrupts_seen():
+    """A list that a SIGINT arriving meanwhile is noted in, then handled as before. TVM turns the
+    KeyboardInterrupt raised inside its compile callbacks (nvcc runs in one) into a RuntimeError
+    with no message, which must not be taken for the kernel's compile error."""
+    seen: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield seen  # ignored (a compile pool's process) or not ours to watch
+        return
+
+    def note(signum, frame):
+        seen.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def load_kernels(rendered, arch: str = "sm_90a", cache_dir=None) -> tuple[ModuleType, dict]:
@@ -245,10 +280,15 @@ def _write_source(rendered, cache_dir) -> Path:
     """Write the module once (atomically: other processes may compile the same config)."""
     path = kernels_dir(cache_dir) / f"{rendered.name}.py"
     if not path.exists() or path.read_text() != rendered.source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(rendered.source)
-        os.replace(tmp, path)
+        _write_atomically(path, rendered.source)
     return path
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Other processes may write the same file, and a killed one must leave no half of it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _import(name: str, path: Path) -> ModuleType:

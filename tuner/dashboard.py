@@ -34,7 +34,7 @@ from pathlib import Path
 from . import variants
 from .errors import UserError
 from .problem import Problem
-from .regress import Verdict, format_errors, judge_history, stack_changes, winner_label
+from .regress import Verdict, distinctions, format_errors, judge_history, stack_changes, winner_label
 from .store import CalibrationPoint, Measurement, Store, TrialRecord, Winner, utcnow
 
 ASSETS = Path(__file__).resolve().parent / "dashboard_assets"
@@ -487,8 +487,10 @@ def history_section(view: ProblemView) -> str:
     if not view.winners:
         return section("Latency history", '<p class="note">no winner recorded for this problem yet</p>', "history")
     parts = []
+    distinct = distinctions([w for w, _ in view.winners])
     for w, verdicts in view.winners:
-        parts.append(f"<h3>{esc(w.environment.gpu)} · {esc(w.environment.arch)} · kernel {esc(w.digest)}</h3>")
+        told = f" · {esc(distinct[w.id])}" if distinct[w.id] and not distinct[w.id].startswith("kernel") else ""
+        parts.append(f"<h3>{esc(w.environment.gpu)} · {esc(w.environment.arch)} · kernel {esc(w.digest)}{told}</h3>")
         if not verdicts:
             parts.append('<p class="note">no measurement recorded</p>')
             continue
@@ -609,9 +611,11 @@ def index_page(views: list[ProblemView], fla_rows: list[dict] | None, calibrated
         if not view.winners:
             rows.append((link, shape, "-", "-", "-", "", '<span class="muted">not tuned on a GPU</span>'))
             classes.append("")
+        distinct = distinctions([w for w, _ in view.winners])
         for w, verdicts in view.winners:
             latest = verdicts[-1] if verdicts else None
-            rows.append((link, shape, esc(w.environment.gpu), esc(stack_label(latest.measurement if latest else w)),
+            told = f'<br><span class="muted">{esc(distinct[w.id])}</span>' if distinct[w.id] else ""
+            rows.append((link, shape + told, esc(w.environment.gpu), esc(stack_label(latest.measurement if latest else w)),
                          latency(latest.measurement if latest else None), sparkline(verdicts),
                          badge(latest.kind) if latest else "-"))
             classes.append("flagged" if latest and latest.flagged else "")

@@ -1,7 +1,8 @@
 """The best known config for a problem on this machine, read from the results databases.
 
 Two databases are read: the ``results.db`` shipped at the repository root (winners tuned on
-the H200) and, over it, the user's own (``db=`` or ``$LINATTN_TUNER_DB``). Fallbacks, best first:
+the H200) and, over it, the user's own (``db=``, else ``$LINATTN_TUNER_DB``, else the one ``tune``
+writes by default in the per-user data folder, :func:`tuner.paths.user_db`). Fallbacks, best first:
 
 - ``exact``: a winner for this GPU model and this shape bucket;
 - ``nearest_bucket``: this GPU model, the nearest shape bucket;
@@ -23,13 +24,11 @@ from dataclasses import dataclass
 from . import environment, space as spaces
 from .environment import NONE, Environment
 from .errors import UserError
+from .paths import DB_ENV, SHIPPED_DB, user_db
 from .problem import Problem
 from .render import render
 from .store import Store, Winner, shape_bucket
-from .variants import ROOT
 
-SHIPPED_DB = ROOT / "results.db"
-DB_ENV = "LINATTN_TUNER_DB"
 SOURCES = ("exact", "nearest_bucket", "same_arch", "default")
 
 
@@ -79,7 +78,8 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
         device (int | Environment): the CUDA device index to look up for, or the
             :class:`~tuner.environment.Environment` of another machine. Default: device 0.
         db (str | os.PathLike): the user's results database, read over the shipped one.
-            Default: ``$LINATTN_TUNER_DB`` when set.
+            Default: ``$LINATTN_TUNER_DB`` when set, else the per-user database ``tune`` writes to
+            (:func:`tuner.paths.user_db`) when it exists.
 
     Returns:
         Lookup
@@ -91,10 +91,11 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
     """
     problem = Problem(variant, dk, dv or dk, dtype, batch, seqlen, heads)
     env = device if isinstance(device, Environment) else environment.current(device or 0)
-    user = db if db is not None else os.environ.get(DB_ENV)
-    paths = tuple(os.path.abspath(p) for p in (user, SHIPPED_DB) if p)
-    if user is not None and not os.path.exists(paths[0]):
-        raise UserError(f"results database {paths[0]} does not exist")
+    named = db if db is not None else os.environ.get(DB_ENV)
+    if named is not None and not os.path.exists(named):
+        raise UserError(f"results database {os.path.abspath(named)} does not exist")
+    # The per-user default is read when a run has written it (_lookup skips a missing file).
+    paths = tuple(dict.fromkeys(os.path.abspath(p) for p in (named or user_db(), SHIPPED_DB)))
     files = tuple((p, _file_state(p)) for p in paths)
     result = _lookup(problem, env, files)
     for s in result.skipped:  # memoised answers warn again: a stale row is never silent

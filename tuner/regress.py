@@ -217,6 +217,27 @@ def winner_label(w: Winner) -> str:
     return f"{p.variant} k{p.dk} v{p.dv} {p.dtype} B{p.batch} T{p.seqlen} H{p.heads}"
 
 
+def distinctions(winners: list[Winner]) -> dict[int, str]:
+    """What tells apart winners of one problem on one GPU (several studies, ``--fix`` or ``--also-at``,
+    each keep their own): the config entries that differ among them (``split=pre_seq block_dv=32``),
+    else the kernel digest; "" for a winner alone. Keyed by winner id."""
+    groups: dict[tuple, list[Winner]] = {}
+    for w in winners:
+        groups.setdefault((w.problem, w.environment.gpu), []).append(w)
+    out = {}
+    for group in groups.values():
+        names = sorted({k for w in group for k in w.config})
+        differing = [k for k in names if len({repr(w.config.get(k)) for w in group}) > 1]
+        for w in group:
+            if len(group) == 1:
+                out[w.id] = ""
+            elif differing:
+                out[w.id] = " ".join(f"{k}={w.config.get(k, '-')}" for k in differing)
+            else:
+                out[w.id] = f"kernel {w.digest}"
+    return out
+
+
 def print_outcomes(outcomes: list[Outcome], replayed: bool) -> None:
     """The outcomes as a table, flagged rows first, and a one-line conclusion."""
     from rich.console import Console
@@ -228,11 +249,13 @@ def print_outcomes(outcomes: list[Outcome], replayed: bool) -> None:
     for column in ("winner", "gpu", "verdict", "why", "stack changes", "note"):
         table.add_column(column)
     styles = {"failed": "bold red", "regressed": "bold red", "improved": "green"}
+    distinct = distinctions([o.winner for o in outcomes])
     for o in sorted(outcomes, key=lambda o: not o.flagged):
         v = o.verdict
         kind = v.kind if v else "-"
         shown = f"[{styles[kind]}]{kind}[/]" if kind in styles else kind
-        cells = (winner_label(o.winner), o.winner.environment.gpu, v.reason if v else "",
+        label = " · ".join(filter(None, (winner_label(o.winner), distinct[o.winner.id])))
+        cells = (label, o.winner.environment.gpu, v.reason if v else "",
                  ", ".join(v.changes) if v else "", o.note)
         label, gpu, reason, changes, note = map(escape, cells)  # reasons hold "[p10 ..., p90 ...]"
         table.add_row(label, gpu, shown, reason, changes, note)

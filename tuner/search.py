@@ -36,6 +36,7 @@ feasible: judged, just not timed); FAIL only marks a trial whose process was los
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import multiprocessing
 import os
 import random
@@ -59,6 +60,8 @@ from .environment import Environment
 from .errors import UserError
 from . import model
 from .gate import gate_and_time, shape_timing, twin_config
+from . import paths
+from .paths import written_db
 from .problem import Problem
 from .render import RenderError, render
 from .store import Store, TrialRecord, Winner, utcnow
@@ -94,11 +97,13 @@ class TuneSummary:
 
     Args:
         study (str): the Optuna study name (also the ``study`` column of the trial rows).
-        counts (Counter): trial rows of the study per status.
+        counts (Counter): trial rows of the study per status, repeats of a judged kernel left out.
         winner (TrialRecord | None): the fastest row that passed the gate; None without one.
         default (TrialRecord | None): the row of the template's default config.
         gated (bool): whether this run gated and timed on a GPU.
         also_at (tuple[TuneSummary]): the companion studies of the ``also_at`` shapes.
+        repeats (int): trial rows that repeated the outcome of a kernel judged before.
+        database (str): where the rows are (a file path or a database URL).
     """
 
     study: str
@@ -107,6 +112,8 @@ class TuneSummary:
     default: TrialRecord | None
     gated: bool
     also_at: tuple["TuneSummary", ...] = ()
+    repeats: int = 0
+    database: str = ""
 
     @property
     def speedup(self) -> float | None:
@@ -144,7 +151,7 @@ def study_name(problem: Problem, env: Environment, space: spaces.Space | None = 
 
 
 def tune(problem: Problem, *, trials: int | None = None, timeout: float | None = None,
-         db: str = "results.db", storage: str | None = None, jobs: int = 2, gpu: int = 0,
+         db: str | None = None, storage: str | None = None, jobs: int = 2, gpu: int = 0,
          register_budget: int = 255, progress: bool = True, gate=None, fixed: dict | None = None,
          also_at: tuple[str, ...] = (), seed: int | None = None) -> TuneSummary:
     """Search ``problem``'s config space and record every outcome and the winner.
@@ -156,6 +163,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         timeout (float): after this many seconds, finish the gate in progress and give the trials
             still queued back to the study (re-proposed first on resume). Default: None.
         db (str): the results database (path or URL) and the study's storage, unless ``storage``.
+            Default: the user's own (:func:`tuner.paths.written_db`), never the shipped one unless named.
         storage (str): a database URL (e.g. ``postgresql://...``) shared by several workers: the
             study and the results both live there, in place of ``db``. Default: None.
         jobs (int): compile processes. Default: 2.
@@ -182,7 +190,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
             raise UserError(f"--{label} must be a positive number, got {value}")
     space = spaces.load(problem.variant).fix(fixed or {})  # bad input fails before the database is touched
     companions = companion_problems(problem, also_at)
-    store = Store(storage or db)  # then a database that cannot be used fails before any work
+    store = Store(storage or written_db(db))  # then a database that cannot be used fails before any work
     if gate is None and environment.has_gpu():
         gate = gate_and_time
     env = environment.current(gpu)
@@ -376,7 +384,7 @@ class _Tuner:
         self.companions: list[tuple[Problem, optuna.Study]] = list(companions)  # (problem at a shape, its study)
         rows = store.trials(study.study_name)
         self.judged = {r.digest: r for r in rows if _is_judgement(r)}
-        self.counts = Counter(r.status for r in rows)
+        self.counts = Counter(r.status for r in rows if r.repeat_of is None)  # see describe_counts
         self.in_flight: dict[int, _Candidate] = {}
         # digest -> repeats of a kernel that a trial (this worker's or another's) is judging
         self.waiting_on: dict[str, list[_Candidate]] = {}
@@ -384,7 +392,7 @@ class _Tuner:
         self.breaks: Counter = Counter()  # digest -> compile pools it was in when they died
         self.free_streak = 0  # proposals in a row that brought no new kernel
         # trials of the study that repeated a judged kernel's outcome (not counted by --trials)
-        self.repeats = sum(r.repeat_of is not None and r.status not in FREE_STATUSES for r in rows)
+        self.repeats = sum(r.repeat_of is not None for r in rows)
         self.compile_log = _log_base(store) + ".compile.log"
         self.rng = random.Random(f"{study.study_name}/{len(rows)}/{_salt(seed)}")  # draws among nearest valid configs
 
@@ -447,6 +455,8 @@ class _Tuner:
         gpu_pool = cf.ThreadPoolExecutor(1)
         compiling: dict[cf.Future, _Candidate] = {}
         gating: dict[cf.Future, _Candidate] = {}
+        if progress:
+            self._announce(trials)
         bar = _Progress(self, trials) if progress else None
         # Ctrl-C only sets a flag, acted on between steps: never between recording an outcome and
         # telling Optuna, nor inside study.ask(), so an interrupted study leaves nothing RUNNING.
@@ -501,6 +511,7 @@ class _Tuner:
                 if bar:
                     bar.update()
         except BaseException:
+            _kill_workers(pool)  # an interrupted compile must not finish into the kernel cache unseen
             self._settle_lost([(c.trial._trial_id, c.number, c.trial.params) for c in self.in_flight.values()])
             raise
         finally:
@@ -512,6 +523,27 @@ class _Tuner:
                 bar.close()
             for problem, study in [(self.problem, self.study), *self.companions]:
                 self._write_winner(problem, study.study_name)
+
+    def _announce(self, trials: int | None) -> None:
+        """Say where the run's files go and, without a GPU, what it will do and about how long."""
+        from .compile import kernels_dir
+
+        tilelang_cache = os.environ.get("TILELANG_CACHE_DIR", "~/.tilelang/cache")  # TileLang's default
+        print(f"tune: results go to {self.store.where}; compile log {self.compile_log}; kernels cached in "
+              f"{kernels_dir()} and {tilelang_cache}", flush=True)
+        if self.gate is not None:
+            return
+        left = "kernels until the deadline" if trials is None else \
+            f"{max(trials - judged_count(self.counts), 0)} kernels"
+        seen = sorted(r.compile_seconds for r in self.judged.values() if r.compile_seconds)
+        if seen and trials is not None:
+            per = seen[len(seen) // 2]
+            pace = (f"about {per:.0f} s a compile in this study so far, so about "
+                    f"{_minutes(per * max(trials - judged_count(self.counts), 0) / self.jobs)}")
+        else:
+            pace = "the time left is shown as kernels are judged (a compile for sm_90a takes 10-60 s here)"
+        print(f"tune: no GPU: compiling {left} for sm_90a on {self.jobs} processes, none gated or timed; "
+              f"{pace}; --trials N compiles fewer", flush=True)
 
     def _compile_pool(self, context) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_quiet,
@@ -774,9 +806,11 @@ class _Tuner:
         self._tell(candidate.trial, record)
         free = record.status in FREE_STATUSES or record.repeat_of is not None
         self.free_streak = self.free_streak + 1 if free else 0
-        self.repeats += record.repeat_of is not None and record.status not in FREE_STATUSES
         self.in_flight.pop(candidate.number, None)
-        self.counts[record.status] += 1
+        if record.repeat_of is None:
+            self.counts[record.status] += 1
+        else:
+            self.repeats += 1
 
     def _tell(self, trial: optuna.Trial, record: TrialRecord) -> None:
         """Tell Optuna the recorded outcome. A trial another worker finished first is left as it is:
@@ -828,11 +862,12 @@ def summarise(problem: Problem, store: Store, study: str, space: spaces.Space, g
     """The :class:`TuneSummary` of ``study`` (a search of ``space``) as recorded in ``store``, over
     all its workers, with those of its companion studies (``also_at``: (problem, study) pairs)."""
     rows = store.trials(study)
+    judged = [r for r in rows if r.repeat_of is None]
     default_digest = _digest(problem, space.default(problem))
     default = next((r for r in rows if r.digest == default_digest and r.repeat_of is None), None)
     companions = tuple(summarise(p, store, name, space, gated) for p, name in also_at)
-    return TuneSummary(study, Counter(r.status for r in rows), best(problem, store, study), default, gated=gated,
-                       also_at=companions)
+    return TuneSummary(study, Counter(r.status for r in judged), best(problem, store, study), default, gated=gated,
+                       also_at=companions, repeats=len(rows) - len(judged), database=store.where)
 
 
 def companion_problems(problem: Problem, shapes) -> list[Problem]:
@@ -856,8 +891,13 @@ def _is_judgement(record: TrialRecord) -> bool:
 
 
 def _log_base(store: Store) -> str:
-    """Where log files go: beside the SQLite file, or ./results for a database server."""
-    return store.path or os.path.abspath("results")
+    """Where log files go: beside the SQLite file; for a database server, ``server.*`` in the per-user
+    data folder."""
+    if store.path is not None:
+        return store.path
+    folder = paths.data_dir()  # not the working directory: a clone of this repository, often
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / "server")
 
 
 def _digest(problem: Problem, config: dict) -> str | None:
@@ -871,11 +911,17 @@ def _digest(problem: Problem, config: dict) -> str | None:
 def _quiet(log_path: str) -> None:
     """Send a compile process's output (TVM prints tracebacks of failed compiles) to a log file:
     the errors are recorded in the trial rows, and the terminal keeps the progress bar."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the tuner's to handle, not a compile's
+    # A Ctrl-C is the tuner's to handle, not a compile's: in a session of its own, the process and its
+    # nvcc are out of the terminal's reach (an nvcc stopped by it would pass for a compile error).
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # A kernel shared by several configs is found in TileLang's memory cache each time, with a
+    # warning that drowns the errors (thousands of them in a run).
+    logging.getLogger("tilelang.cache.kernel_cache").addFilter(lambda r: "in memory cache" not in r.getMessage())
 
 
 def _submit(pool: cf.ProcessPoolExecutor, compiling: dict, candidate: _Candidate) -> None:
@@ -886,9 +932,14 @@ def _submit(pool: cf.ProcessPoolExecutor, compiling: dict, candidate: _Candidate
 
 
 def _kill_workers(pool: cf.ProcessPoolExecutor) -> None:
-    """Kill a process pool's workers (the executor has no public way before Python 3.14)."""
+    """Kill a compile pool's workers and their compilers (each leads its own process group, see
+    :func:`_quiet`; the executor has no public way before Python 3.14). A compile killed leaves no
+    report behind: it is compiled again when asked again."""
     for process in list((pool._processes or {}).values()):
-        process.kill()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # gone, or not yet in its own group
+            process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -901,6 +952,7 @@ def compile_for_gate(rendered, twin=None) -> dict:
     report = compile_rendered(rendered)
     if twin is not None and report.ok:
         compile_rendered(twin)
+    print(report.summary(), flush=True)  # the compile log: ptxas' figures, or the error, per kernel
     return {"error": report.error, "rejected": [f.message for f in report.rejected],
             "report": report.as_dict(), "seconds": time.monotonic() - start}
 
@@ -931,13 +983,15 @@ def print_summary(summary: TuneSummary) -> None:
         _print_study(console, study)
     if not summary.gated:
         console.print("No GPU: configs were pruned and compiled only; latency needs a GPU (run again on one).")
+    console.print(f"results: {summary.database}", soft_wrap=True)
 
 
 def _print_study(console, summary: TuneSummary) -> None:
     from rich.table import Table
 
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(summary.counts.items()))
-    console.print(f"study {summary.study}: {sum(summary.counts.values())} trials ({counts})")
+    trials = sum(summary.counts.values()) + summary.repeats
+    console.print(f"study {summary.study}: {trials} trials, {judged_count(summary.counts)} kernels judged: "
+                  f"{describe_counts(summary.counts, summary.repeats, summary.gated)}", soft_wrap=True)
     table = Table(title="winner vs the template's default")
     table.add_column("")
     rows = (summary.winner, summary.default)
@@ -952,29 +1006,62 @@ def _print_study(console, summary: TuneSummary) -> None:
         console.print(f"speed-up over the default: {summary.speedup:.2f}x")
 
 
+def judged_count(counts: Counter) -> int:
+    """Kernels judged (what ``--trials`` counts), from counts that leave repeats out."""
+    return sum(n for status, n in counts.items() if status not in FREE_STATUSES)
+
+
+def describe_counts(counts: Counter, repeats: int, gated: bool) -> str:
+    """The counts in words, the same in the progress lines and the summary: the kernels judged by
+    outcome, then the free proposals (``counts`` leaves repeats out; they are ``repeats``)."""
+    failed = sum(counts[s] for s in _FAILED)
+    judged = (f"passed {counts['pass']}, failed {failed}" if gated else
+              f"compiled {counts['compiled']}, failed {failed} (no GPU: none gated or timed)")
+    return (f"{judged}; not compiled: {counts['constraint']} broke a constraint, {counts['pruned']} pruned "
+            f"by the register model, {repeats} repeated a judged kernel")
+
+
 class _Progress:
-    """A rich progress bar: kernels judged (as ``--trials`` counts them), pruned, failed and the
-    best latency so far."""
+    """The run's progress: on a terminal a rich bar; elsewhere (a log, CI, a pipe) a line per kernel
+    judged, with the time left at the pace seen so far."""
 
     def __init__(self, tuner: _Tuner, total: int | None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.tuner = tuner
-        self.progress = Progress(TextColumn("[bold]tuning"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.description}"), TimeElapsedColumn())
-        self.task = self.progress.add_task("", total=total)
-        self.progress.start()
+        self.tuner, self.total = tuner, total
+        self.start = time.monotonic()
+        self.judged_at_start = self.printed = judged_count(tuner.counts)
+        self.progress = None
+        if sys.stdout.isatty():
+            self.progress = Progress(TextColumn("[bold]tuning"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.description}"), TimeElapsedColumn())
+            self.task = self.progress.add_task("", total=total)
+            self.progress.start()
         self.update()
 
     def update(self) -> None:
         c = self.tuner.counts
         best = min((r.median_ms for r in self.tuner.judged.values() if r.median_ms is not None), default=None)
-        text = (f"pruned {c['pruned'] + c['constraint']}, failed {sum(c[s] for s in _FAILED)}, "
-                f"compiled {c['compiled']}, passed {c['pass']}"
-                + (f", best {best:.4f} ms" if best is not None else ""))
-        counted = sum(n for status, n in c.items() if status not in FREE_STATUSES) - self.tuner.repeats
-        self.progress.update(self.task, completed=counted, description=text)
+        text = (describe_counts(c, self.tuner.repeats, self.tuner.gate is not None)
+                + (f"; best {best:.4f} ms" if best is not None else ""))
+        judged = judged_count(c)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=judged, description=text)
+        elif judged > self.printed:
+            self.printed = judged
+            elapsed = time.monotonic() - self.start
+            left = ""
+            if self.total is not None and judged < self.total:
+                pace = elapsed / (judged - self.judged_at_start)
+                left = f", about {_minutes(pace * (self.total - judged))} left"
+            print(f"tune: {judged}/{self.total or '?'} kernels judged after {_minutes(elapsed)}{left}: {text}",
+                  flush=True)
 
     def close(self) -> None:
         self.update()
-        self.progress.stop()
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"

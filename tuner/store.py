@@ -30,6 +30,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from .environment import Environment
 from .errors import DatabaseError
+from .paths import is_shipped
 from .problem import Problem
 
 T = TypeVar("T")
@@ -461,6 +462,8 @@ class Store:
         if readonly:
             self._has_tables = self._retrying(lambda: sa.inspect(self._engine).has_table(TrialModel.__tablename__))
         else:
+            if self.path is not None:
+                self._retrying(self._check_writable)
             with self.schema_lock():
                 self._retrying(lambda: Base.metadata.create_all(self._engine))
 
@@ -475,19 +478,40 @@ class Store:
             engine = sa.create_engine(self.url, connect_args={"timeout": 1.0, "check_same_thread": False})
         begin = "BEGIN" if self.readonly else "BEGIN IMMEDIATE"
 
+        # WAL: readers never block the tuner. The shipped database keeps (or gets back) rollback-journal
+        # mode: a WAL file needs -wal/-shm files beside it to be read, and an installed package's
+        # folder may be read-only.
+        journal_mode = "DELETE" if is_shipped(self.path) else "WAL"
+
         # pysqlite's implicit transactions start late and cannot wait for a write lock; take the
         # lock at BEGIN instead (SQLAlchemy's documented recipe for SQLite transactions).
         @event.listens_for(engine, "connect")
         def _connect(dbapi_connection, _record):
             dbapi_connection.isolation_level = None
             if not self.readonly:
-                dbapi_connection.execute("PRAGMA journal_mode=WAL")  # readers never block the tuner
+                dbapi_connection.execute(f"PRAGMA journal_mode={journal_mode}")
 
         @event.listens_for(engine, "begin")
         def _begin(conn):
             conn.exec_driver_sql(begin)
 
         return engine
+
+    def _check_writable(self) -> None:
+        """Refuse a file this process may read but not write, before any work is done for it.
+
+        SQLite opens such a file read-only without a word and fails at the first commit; file
+        permissions say nothing for root, so a write is tried in a transaction rolled back."""
+        with self._engine.connect() as conn:
+            try:
+                conn.exec_driver_sql("CREATE TABLE tuner_write_probe (x INTEGER)")
+            except exc.OperationalError as e:
+                if "readonly" not in str(e.orig):
+                    raise
+                raise DatabaseError(f"{self.path} is read-only for this user; name a database you may write "
+                                    "with --db (it was left untouched)") from None
+            finally:
+                conn.rollback()
 
     def _retrying(self, action: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.busy_timeout_s
