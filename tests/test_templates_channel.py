@@ -1,15 +1,18 @@
-"""The per-channel gate templates (gla, kda): defaults (and kda's chunked split) compile for sm_90a
-without spills (ptxas), placements change the generated code, constraints refuse before rendering,
-and on a GPU every split (kda's chunked one also with an output kernel's own DV block) matches the
-fp64 chunked oracle with and without the 0.9 lower bound on the gate, tails and initial state
-included."""
+"""The per-channel gate templates (gla, kda): defaults (and kda's chunked split, gla's pre_seq split)
+compile for sm_90a without spills (ptxas), placements change the generated code, constraints refuse
+before rendering, gla's pre_seq sequential kernel scans no gate and writes only o and the final state,
+the model knows its shared memory, and on a GPU every split (kda's chunked one also with an output
+kernel's own DV block, gla's pre_seq one also off its defaults) matches the fp64 chunked oracle with
+and without the 0.9 lower bound on the gate, tails and initial state included."""
 from __future__ import annotations
+
+import re
 
 import pytest
 from template_checks import (assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors,
                              rendered_config)
 
-from tuner import space
+from tuner import model, space
 from tuner.compile import load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
@@ -17,8 +20,11 @@ from tuner.render import render
 
 CHANNEL = ("gla", "kda")
 # (variant, split, the programs in launch order)
-SPLITS = [("gla", "fused", ["fused"]), ("kda", "fused", ["fused"]),
+SPLITS = [("gla", "fused", ["fused"]), ("gla", "pre_seq", ["prepare", "sequential"]), ("kda", "fused", ["fused"]),
           ("kda", "chunked", ["chunk_intra", "chunk_state", "chunk_o"])]
+# gla pre_seq with every parameter it has off its default (two stages need warp specialisation).
+GLA_PRE_SEQ_ALL = {"split": "pre_seq", "chunk_size": 32, "sub_chunk": 16, "block_dv": 32, "block_dk": 64,
+                   "num_stages": 2, "threads": 128, "warp_specialized": True}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -29,6 +35,39 @@ def test_default_compiles_without_spills(variant, split, kernels, dk, tmp_path):
 
 def test_kda_declares_both_splits():
     assert space.load("kda").params["split"].values == ("fused", "chunked")
+
+
+def test_gla_declares_both_splits_and_pre_seq_has_no_q_placement():
+    gla = space.load("gla")
+    assert gla.params["split"].values == ("fused", "pre_seq")
+    assert gla.active("qk_in", {"split": "fused"}) and not gla.active("qk_in", {"split": "pre_seq"})
+
+
+def test_gla_pre_seq_sequential_kernel_scans_no_gate_and_writes_only_o_and_the_state():
+    source = rendered_config("gla", 128, split="pre_seq").source
+    sequential = source[source.index("def sequential"):source.index("def programs")]
+    assert "T.cumsum" not in sequential and "T.exp2" not in sequential and "T.if_then_else" not in sequential
+    assert set(re.findall(r"T\.copy\(.*, (\w+)\[", sequential)) == {"O", "HT"}
+
+
+@pytest.mark.parametrize("dk,overrides", [(128, GLA_PRE_SEQ_ALL), (64, {"split": "pre_seq"})],
+                         ids=("all-off-default-128", "default-64"))
+def test_gla_pre_seq_compiles_clean_and_the_model_knows_its_shared_memory(dk, overrides, tmp_path):
+    rendered = rendered_config("gla", dk, **overrides)
+    report = assert_compiles_clean(rendered, ["prepare", "sequential"], tmp_path)
+    smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
+    assert {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel} == smem
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    ({"num_stages": 2}, "deeper than one stage"),
+    ({"chunk_size": 32, "sub_chunk": 32}, "one sub-chunk per chunk"),
+])
+def test_gla_pre_seq_constraints_refuse_before_rendering(overrides, reason):
+    problem = Problem("gla", 64, 64)
+    config = space.load("gla").complete(problem, {"split": "pre_seq", **overrides})
+    with pytest.raises(ConstraintError, match=reason):
+        render(problem, config)
 
 
 # (variant, split, placement, the allocation it switches, other parameters its values need)
@@ -52,7 +91,8 @@ def test_each_placement_emits_its_own_code(variant, split, param, needle, others
 
 @pytest.mark.parametrize("variant,split", [(v, s) for v, s, _ in SPLITS])
 def test_every_declared_placement_is_tested(variant, split):
-    declared = {name for name in space.load(variant).params if name.endswith("_in")}
+    sp = space.load(variant)
+    declared = {name for name in sp.params if name.endswith("_in") and sp.active(name, {"split": split})}
     assert declared == {param for v, s, param, _, _ in PLACEMENTS if (v, s) == (variant, split)}
 
 
@@ -70,15 +110,16 @@ def test_sub_chunks_split_the_exponent(variant, split):
     no factor carries the whole chunk's decay (seed 001 §2.3)."""
     source = rendered_config(variant, 64, split=split, sub_chunk=16).source
     assert "SUB = 16" in source
-    gate = "G_s" if split == "chunked" else "gam_s"
+    gate = "gam_s" if split == "fused" else "G_s"
     assert f"{gate}[a * SUB, kb * BLOCK_DK + d] - {gate}[i, kb * BLOCK_DK + d]" in source
     assert "T.exp2(-" not in source  # no e^{-gamma} against the chunk start
 
 
 @cuda
 @pytest.mark.parametrize("variant,overrides", [(v, {"split": s}) for v, s, _ in SPLITS]
-                         + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64})],
-                         ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o"])
+                         + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
+                            ("gla", GLA_PRE_SEQ_ALL)],
+                         ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
