@@ -18,6 +18,7 @@ FLA's form are cached per (N, T, device); ``out=`` takes a preallocated output.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -86,10 +87,39 @@ def _check_tensor(name, t, shape, dtype=None, device=None):
         _fail(f"{name} is on {t.device} but q is on {device}; put all inputs on one device")
 
 
+@dataclass(frozen=True)
+class Call:
+    """One decode call, checked and laid out for the generated module's ``step()``.
+
+    Attributes:
+        shape: the arguments of :func:`kernel_for` after the variant: (dk, dv, dtype, sequences,
+            tokens, value heads, layout).
+        args: ``step()``'s arguments after ``kernels``.
+        result: what the op returns once ``step()`` has run: (o, final state or None).
+    """
+
+    shape: tuple
+    args: tuple
+    result: tuple
+
+
 def run(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, ssm_state_indices=None, state_v_first=False, out=None):
     """``variant``'s recurrence token by token; FLA's form, or the pool form with ``ssm_state_indices``
     (module docstring). Returns ``(o [B, T, HV, V], final_state or None)``."""
+    call = plan(variant, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
+                state_v_first, out)
+    if not q.is_cuda:
+        _fail(f"q, k, v must be on a CUDA device, got {q.device}")
+    module, kernels, _ = kernel_for(variant, *call.shape, q.device.index or 0)
+    with torch.cuda.device(q.device):
+        module.step(kernels, *call.args)
+    return call.result
+
+
+def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+         cu_seqlens=None, ssm_state_indices=None, state_v_first=False, out=None) -> Call:
+    """The checks and the layout of :func:`run`, on any device; nothing is launched."""
     spec = get_variant(variant)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -101,8 +131,6 @@ def run(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=None
     device = q.device
     if q.dtype not in _DTYPES or len({q.dtype, k.dtype, v.dtype}) != 1:
         _fail(f"q, k, v must share one dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.is_cuda:
-        _fail(f"q, k, v must be on a CUDA device, got {device}")
     _check_tensor("k", k, q.shape, device=device)
     _check_tensor("v", v, (B, T, HV, DV), device=device)
     if HV % H or (HV != H and variant not in ("gdn", "kda")):
@@ -157,12 +185,10 @@ def run(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=None
         _check_tensor("out", out, v.shape, v.dtype, device)
 
     scale = DK ** -0.5 if scale is None else float(scale)
-    module, kernels, _ = kernel_for(variant, DK, DV, _DTYPES[q.dtype], N, TT, HV, "vk" if state_v_first else "kv",
-                                    device.index or 0)
-    with torch.cuda.device(device):
-        module.step(kernels, q.reshape(TT, H, DK), k.reshape(TT, H, DK), v.reshape(TT, HV, DV), *extra, scale,
-                    h0, ht, slot_of, cu, out.view(TT, HV, DV))
-    return out, (ht if output_final_state or ssm_state_indices is not None else None)
+    return Call(shape=(DK, DV, _DTYPES[q.dtype], N, TT, HV, "vk" if state_v_first else "kv"),
+                args=(q.reshape(TT, H, DK), k.reshape(TT, H, DK), v.reshape(TT, HV, DV), *extra, scale, h0, ht,
+                      slot_of, cu, out.view(TT, HV, DV)),
+                result=(out, ht if output_final_state or ssm_state_indices is not None else None))
 
 
 def _refuse(**options):
@@ -275,5 +301,6 @@ def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_
 
 
 __all__ = ["fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "fused_recurrent_simple_gla",
-           "fused_recurrent_gla", "fused_recurrent_retention", "fused_recurrent_linear_attn", "run", "kernel_for",
+           "fused_recurrent_gla", "fused_recurrent_retention", "fused_recurrent_linear_attn", "run", "plan", "Call",
+           "kernel_for",
            "DecodeInputError"]
