@@ -58,13 +58,16 @@ def test_every_parameter_changes_the_code(param):
     assert_every_value_changes_source("gdn_recurrent", 128, param)
 
 
-def test_the_model_screens_a_state_tile_too_large_for_the_registers():
+def test_the_model_prunes_a_state_tile_that_spills_and_keeps_the_default(tmp_path):
     from tuner import model
+    from tuner.compile import build_kernels
 
-    problem = Problem("gdn_recurrent", 128, 128)
-    full = space.load("gdn_recurrent").complete(problem, {"block_dv": 128, "threads": 32})
-    assert model.prune_reason(problem, full) is not None  # 16384 fp32 state elements over 32 threads
-    assert model.prune_reason(problem, space.load("gdn_recurrent").default(problem)) is None
+    wide = rendered_config("gdn_recurrent", 128, block_dv=128, threads=64)  # 16384 fp32 over 64 threads
+    report, _, _ = build_kernels(wide, cache_dir=tmp_path)
+    assert report.spills and model.prune_reason(wide.problem, wide.config) is not None
+    default = rendered_config("gdn_recurrent", 128)
+    report, _, _ = build_kernels(default, cache_dir=tmp_path)
+    assert not report.spills and model.prune_reason(default.problem, default.config) is None
 
 
 # ---- the op wrappers, their kernel step replaced by the oracle --------------------------------------
