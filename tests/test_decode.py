@@ -74,12 +74,14 @@ def test_the_model_prunes_a_state_tile_that_spills_and_keeps_the_default(tmp_pat
 
 
 def oracle_step(base: str, layout: str):
-    """A stand-in for a generated module's step(): each sequence run by reference.recurrent from its slot
-    of h0, its state written to the same slot of ht (-1: skipped, o zeros)."""
+    """A stand-in for a generated module's step(): each sequence (tokens numbered b * T + t) run by
+    reference.recurrent from its slot of h0, its state written to the same slot of ht (-1: skipped, o zeros)."""
     spec = variants.get(base)
 
-    def step(kernels, q, k, v, *rest):
-        gates, (scale, h0, ht, slot_of, cu_seqlens, o) = rest[:-6], rest[-6:]
+    def step(kernels, *args):
+        tokens, (scale, h0, ht, slot_of, cu_seqlens, o) = args[:-6], args[-6:]
+        q, k, v, *gates = (t if t.dim() == 1 else t.flatten(0, 1) for t in tokens)
+        o = o.flatten(0, 1)
         g = gates[0] if spec.gate else None
         beta = gates[-1] if spec.delta else None
         new = {}

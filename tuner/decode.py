@@ -72,6 +72,13 @@ def _arange(n: int, step: int, dtype: torch.dtype, device: torch.device) -> torc
     return torch.arange(0, n * step, step, dtype=dtype, device=device)
 
 
+def _dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` contiguous and in ``dtype``, copied only where it is not already (the usual case costs no kernel)."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _fail(message: str):
     raise DecodeInputError(message)
 
@@ -144,20 +151,19 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         _check_tensor("cu_seqlens", cu_seqlens, (cu_seqlens.shape[0],), device=device)
         N = cu_seqlens.shape[0] - 1
         cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
-    TT = B * T
 
     gate_shape = {None: None, "head": (HV,), "token": (B, T, HV), "channel": (B, T, HV, DK)}[spec.gate]
-    extra = []
+    tensors = [_dense(q), _dense(k), _dense(v)]
     if gate_shape is not None:
         if g is None and variant == "gdn":  # FLA: no g, no decay
             g = torch.zeros(gate_shape, dtype=torch.float32, device=device)
         _check_tensor("g", g, gate_shape, device=device)
-        extra.append(g.to(torch.float32).reshape(gate_shape if spec.gate == "head" else (TT, *gate_shape[2:])))
+        tensors.append(_dense(g, torch.float32))
     if spec.delta:
         if beta is None:  # FLA's default
             beta = torch.ones(B, T, HV, dtype=torch.float32, device=device)
         _check_tensor("beta", beta, (B, T, HV), device=device)
-        extra.append(beta.to(torch.float32).reshape(TT, HV))
+        tensors.append(_dense(beta, torch.float32))
 
     state = (DV, DK) if state_v_first else (DK, DV)
     if ssm_state_indices is not None:
@@ -169,7 +175,7 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         _check_tensor("ssm_state_indices", ssm_state_indices, (N,), device=device)
         if ssm_state_indices.dtype not in (torch.int32, torch.int64):
             _fail(f"ssm_state_indices must be int32 or int64, got {ssm_state_indices.dtype}")
-        slot_of = ssm_state_indices.to(torch.int32)
+        slot_of = _dense(ssm_state_indices, torch.int32)
         h0 = ht = initial_state
     else:
         slot_of = _arange(N, 1, torch.int32, device)
@@ -177,7 +183,7 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
             h0 = ht = torch.zeros(N, HV, *state, dtype=torch.float32, device=device)
         else:
             _check_tensor("initial_state", initial_state, (N, HV, *state), device=device)
-            h0 = initial_state.to(torch.float32).contiguous()
+            h0 = _dense(initial_state, torch.float32)
             ht = torch.empty_like(h0)
     if out is None:
         out = torch.empty_like(v)
@@ -185,9 +191,8 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         _check_tensor("out", out, v.shape, v.dtype, device)
 
     scale = DK ** -0.5 if scale is None else float(scale)
-    return Call(shape=(DK, DV, _DTYPES[q.dtype], N, TT, HV, "vk" if state_v_first else "kv"),
-                args=(q.reshape(TT, H, DK), k.reshape(TT, H, DK), v.reshape(TT, HV, DV), *extra, scale, h0, ht,
-                      slot_of, cu, out.view(TT, HV, DV)),
+    return Call(shape=(DK, DV, _DTYPES[q.dtype], N, B * T, HV, "vk" if state_v_first else "kv"),
+                args=(*tensors, scale, h0, ht, slot_of, cu, out),
                 result=(out, ht if output_final_state or ssm_state_indices is not None else None))
 
 
