@@ -84,14 +84,15 @@ def _fail(message: str):
 
 
 def _check_tensor(name, t, shape, dtype=None, device=None):
+    """``device``: q's ``get_device()`` (an int: cheaper to compare than torch.device, on every call)."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor {list(shape)}, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:
         _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if dtype is not None and t.dtype != dtype:
         _fail(f"{name} must be {dtype}, got {t.dtype}")
-    if device is not None and t.device != device:
-        _fail(f"{name} is on {t.device} but q is on {device}; put all inputs on one device")
+    if device is not None and t.get_device() != device:
+        _fail(f"{name} is on {t.device} but q is on device {device}; put all inputs on one device")
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,11 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
             _fail(f"{name} requires grad: the decode ops are forward-only kernels")
     B, T, H, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
-    device = q.device
+    device, on = q.device, q.get_device()
     if q.dtype not in _DTYPES or len({q.dtype, k.dtype, v.dtype}) != 1:
         _fail(f"q, k, v must share one dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check_tensor("k", k, q.shape, device=device)
-    _check_tensor("v", v, (B, T, HV, DV), device=device)
+    _check_tensor("k", k, q.shape, device=on)
+    _check_tensor("v", v, (B, T, HV, DV), device=on)
     if HV % H or (HV != H and variant not in ("gdn", "kda")):
         _fail(f"v has {HV} heads, q and k {H}: grouped value heads (a multiple) are for gdn and kda only")
     if cu_seqlens is None:
@@ -148,7 +149,7 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
     else:
         if B != 1:
             _fail(f"with cu_seqlens the batch must be 1 (sequences packed along T), got B={B}")
-        _check_tensor("cu_seqlens", cu_seqlens, (cu_seqlens.shape[0],), device=device)
+        _check_tensor("cu_seqlens", cu_seqlens, (cu_seqlens.shape[0],), device=on)
         N = cu_seqlens.shape[0] - 1
         cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
 
@@ -157,22 +158,22 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
     if gate_shape is not None:
         if g is None and variant == "gdn":  # FLA: no g, no decay
             g = torch.zeros(gate_shape, dtype=torch.float32, device=device)
-        _check_tensor("g", g, gate_shape, device=device)
+        _check_tensor("g", g, gate_shape, device=on)
         tensors.append(_dense(g, torch.float32))
     if spec.delta:
         if beta is None:  # FLA's default
             beta = torch.ones(B, T, HV, dtype=torch.float32, device=device)
-        _check_tensor("beta", beta, (B, T, HV), device=device)
+        _check_tensor("beta", beta, (B, T, HV), device=on)
         tensors.append(_dense(beta, torch.float32))
 
     state = (DV, DK) if state_v_first else (DK, DV)
     if ssm_state_indices is not None:
         if initial_state is None:
             _fail("ssm_state_indices needs initial_state: the state pool [slots, HV, K, V] updated in place")
-        _check_tensor("initial_state", initial_state, (initial_state.shape[0], HV, *state), torch.float32, device)
+        _check_tensor("initial_state", initial_state, (initial_state.shape[0], HV, *state), torch.float32, on)
         if not initial_state.is_contiguous():
             _fail("the state pool (initial_state) must be contiguous: it is updated in place")
-        _check_tensor("ssm_state_indices", ssm_state_indices, (N,), device=device)
+        _check_tensor("ssm_state_indices", ssm_state_indices, (N,), device=on)
         if ssm_state_indices.dtype not in (torch.int32, torch.int64):
             _fail(f"ssm_state_indices must be int32 or int64, got {ssm_state_indices.dtype}")
         slot_of = _dense(ssm_state_indices, torch.int32)
@@ -182,13 +183,13 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         if initial_state is None:
             h0 = ht = torch.zeros(N, HV, *state, dtype=torch.float32, device=device)
         else:
-            _check_tensor("initial_state", initial_state, (N, HV, *state), device=device)
+            _check_tensor("initial_state", initial_state, (N, HV, *state), device=on)
             h0 = _dense(initial_state, torch.float32)
             ht = torch.empty_like(h0)
     if out is None:
         out = torch.empty_like(v)
     else:
-        _check_tensor("out", out, v.shape, v.dtype, device)
+        _check_tensor("out", out, v.shape, v.dtype, on)
 
     scale = DK ** -0.5 if scale is None else float(scale)
     return Call(shape=(DK, DV, _DTYPES[q.dtype], N, B * T, HV, "vk" if state_v_first else "kv"),
