@@ -209,3 +209,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 __all__ = ["chunk_linear_attn", "chunk_retention", "chunk_simple_gla", "chunk_gla", "chunk_gated_delta_rule",
            "chunk_kda", "retention_log_decay", "InputError"]
+
+
+# The token-by-token (decode) ops, FLA's fused_recurrent_* with the state-pool form (tuner/decode.py).
+from .decode import (DecodeInputError, fused_recurrent_gated_delta_rule, fused_recurrent_gla,  # noqa: E402
+                     fused_recurrent_kda, fused_recurrent_linear_attn, fused_recurrent_retention,
+                     fused_recurrent_simple_gla)
+
+__all__ += ["fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "fused_recurrent_simple_gla",
+            "fused_recurrent_gla", "fused_recurrent_retention", "fused_recurrent_linear_attn", "DecodeInputError"]

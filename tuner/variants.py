@@ -6,7 +6,7 @@ correctness gate judges it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
@@ -36,14 +36,17 @@ class Variant:
     recurrence: str
     fla_op: str
     dims: tuple[int, ...] = (64, 128)
+    # For a token-by-token (decode) kernel: the chunk variant whose recurrence it runs. The six
+    # recurrent kernels share one template and one search space.
+    recurrence_of: str | None = None
 
     @property
     def template(self) -> Path:
-        return TEMPLATES_DIR / f"{self.name}.py.j2"
+        return TEMPLATES_DIR / ("recurrent.py.j2" if self.recurrence_of else f"{self.name}.py.j2")
 
     @property
     def search_space(self) -> Path:
-        return SEARCH_SPACES_DIR / f"{self.name}.yaml"
+        return SEARCH_SPACES_DIR / ("recurrent.yaml" if self.recurrence_of else f"{self.name}.yaml")
 
     @property
     def per_channel(self) -> bool:
@@ -78,9 +81,31 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+# FLA's token-by-token op of each variant.
+FUSED_RECURRENT_OPS = {
+    "linear": "fused_recurrent_linear_attn", "decay": "fused_recurrent_retention",
+    "simple_gla": "fused_recurrent_simple_gla", "gla": "fused_recurrent_gla",
+    "gdn": "fused_recurrent_gated_delta_rule", "kda": "fused_recurrent_kda",
+}
+
+
+def recurrent_name(variant: str) -> str:
+    """The name of ``variant``'s token-by-token kernel in :data:`RECURRENT`."""
+    return f"{variant}_recurrent"
+
+
+# The token-by-token kernels (decode: one or a few tokens per sequence, states in a pool), one per
+# variant, with the variant's recurrence; tuned and stored under their own names.
+RECURRENT: dict[str, Variant] = {
+    recurrent_name(v.name): replace(v, name=recurrent_name(v.name), title=f"{v.title}, token by token",
+                                    fla_op=FUSED_RECURRENT_OPS[v.name], recurrence_of=v.name)
+    for v in VARIANTS.values()
+}
+
+
 def get(name: str) -> Variant:
-    """The variant called ``name``; a UserError naming the accepted ones otherwise."""
+    """The variant (or recurrent kernel) called ``name``; a UserError naming the accepted ones otherwise."""
     try:
-        return VARIANTS[name]
+        return VARIANTS[name] if name in VARIANTS else RECURRENT[name]
     except KeyError:
         raise UserError(f"unknown variant {name!r}; accepted: {', '.join(VARIANTS)}") from None
