@@ -1,6 +1,6 @@
-"""The per-channel gate templates (gla, kda): defaults (and kda's chunked split, gla's pre_seq split)
-compile for sm_90a without spills (ptxas), placements change the generated code, constraints refuse
-before rendering, gla's pre_seq sequential kernel scans no gate and writes only o and the final state,
+"""The per-channel gate templates (gla, kda): defaults (and kda's chunked and pre_seq splits, gla's pre_seq
+split) compile for sm_90a without spills (ptxas), placements change the generated code, constraints refuse
+before rendering, the pre_seq sequential kernels scan no gate and write only o and the final state,
 the model knows its shared memory, and on a GPU every split (kda's chunked one also with an output
 kernel's own DV block, gla's pre_seq one also off its defaults) matches the fp64 chunked oracle with
 and without the 0.9 lower bound on the gate, tails and initial state included."""
@@ -21,10 +21,13 @@ from tuner.render import render
 CHANNEL = ("gla", "kda")
 # (variant, split, the programs in launch order)
 SPLITS = [("gla", "fused", ["fused"]), ("gla", "pre_seq", ["prepare", "sequential"]), ("kda", "fused", ["fused"]),
-          ("kda", "chunked", ["chunk_intra", "chunk_state", "chunk_o"])]
-# gla pre_seq with every parameter it has off its default (two stages need warp specialisation).
+          ("kda", "chunked", ["chunk_intra", "chunk_state", "chunk_o"]), ("kda", "pre_seq", ["prepare", "sequential"])]
+# gla and kda pre_seq with every parameter they have off its default (two stages need warp specialisation).
 GLA_PRE_SEQ_ALL = {"split": "pre_seq", "chunk_size": 32, "sub_chunk": 16, "block_dv": 32, "block_dk": 64,
                    "num_stages": 2, "threads": 128, "warp_specialized": True}
+KDA_PRE_SEQ_ALL = {"split": "pre_seq", "sub_chunk": 32, "block_dv": 32, "block_dk": 64, "num_stages": 2,
+                   "threads": 128, "warp_specialized": True, "prepare_chunks": 2, "overlap": True,
+                   "solve": "doubling", "system_in": "shared"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -33,8 +36,13 @@ def test_default_compiles_without_spills(variant, split, kernels, dk, tmp_path):
     assert_compiles_clean(rendered_config(variant, dk, split=split), kernels, tmp_path)
 
 
-def test_kda_declares_both_splits():
-    assert space.load("kda").params["split"].values == ("fused", "chunked")
+def test_kda_declares_three_splits_and_pre_seq_keeps_no_q_or_w_tile():
+    kda = space.load("kda")
+    assert kda.params["split"].values == ("fused", "chunked", "pre_seq")
+    for name in ("qk_in", "wu_in"):
+        assert kda.active(name, {"split": "chunked"}) and not kda.active(name, {"split": "pre_seq"})
+    for name in ("solve", "overlap", "prepare_chunks"):
+        assert kda.active(name, {"split": "pre_seq"}) and not kda.active(name, {"split": "fused"})
 
 
 def test_gla_declares_both_splits_and_pre_seq_has_no_q_placement():
@@ -43,17 +51,19 @@ def test_gla_declares_both_splits_and_pre_seq_has_no_q_placement():
     assert gla.active("qk_in", {"split": "fused"}) and not gla.active("qk_in", {"split": "pre_seq"})
 
 
-def test_gla_pre_seq_sequential_kernel_scans_no_gate_and_writes_only_o_and_the_state():
-    source = rendered_config("gla", 128, split="pre_seq").source
+@pytest.mark.parametrize("variant", CHANNEL)
+def test_pre_seq_sequential_kernel_scans_no_gate_and_writes_only_o_and_the_state(variant):
+    source = rendered_config(variant, 128, split="pre_seq").source
     sequential = source[source.index("def sequential"):source.index("def programs")]
     assert "T.cumsum" not in sequential and "T.exp2" not in sequential and "T.if_then_else" not in sequential
     assert set(re.findall(r"T\.copy\(.*, (\w+)\[", sequential)) == {"O", "HT"}
 
 
-@pytest.mark.parametrize("dk,overrides", [(128, GLA_PRE_SEQ_ALL), (64, {"split": "pre_seq"})],
-                         ids=("all-off-default-128", "default-64"))
-def test_gla_pre_seq_compiles_clean_and_the_model_knows_its_shared_memory(dk, overrides, tmp_path):
-    rendered = rendered_config("gla", dk, **overrides)
+@pytest.mark.parametrize("variant,dk,overrides", [("gla", 128, GLA_PRE_SEQ_ALL), ("gla", 64, {"split": "pre_seq"}),
+                                                  ("kda", 128, KDA_PRE_SEQ_ALL), ("kda", 64, {"split": "pre_seq"})],
+                         ids=("gla-all-off-default-128", "gla-default-64", "kda-all-off-default-128", "kda-default-64"))
+def test_pre_seq_compiles_clean_and_the_model_knows_its_shared_memory(variant, dk, overrides, tmp_path):
+    rendered = rendered_config(variant, dk, **overrides)
     report = assert_compiles_clean(rendered, ["prepare", "sequential"], tmp_path)
     smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
     assert {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel} == smem
@@ -79,7 +89,13 @@ PLACEMENTS = [
     ("kda", "chunked", "qk_in", "Qg = T.alloc_{}([C, DK], DTYPE)", {}),
     ("kda", "chunked", "system_in", "Tb = T.alloc_{}([C, C], DTYPE)", {}),
     ("kda", "chunked", "wu_in", "W_op = T.alloc_{}([C, DK], DTYPE)", {"threads": 128}),
+    ("kda", "pre_seq", "system_in", "Tb = T.alloc_{}([C, C], DTYPE)", {}),
 ]
+
+
+@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks"])
+def test_every_kda_pre_seq_parameter_changes_the_code(param):
+    assert_every_value_changes_source("kda", 128, param, split="pre_seq")
 
 
 @pytest.mark.parametrize("variant,split,param,needle,others", PLACEMENTS)
@@ -107,7 +123,7 @@ def test_sub_chunk_not_dividing_chunk_is_refused_before_rendering(variant):
 @pytest.mark.parametrize("variant,split", [(v, s) for v, s, _ in SPLITS])
 def test_sub_chunks_split_the_exponent(variant, split):
     """Every exponent of the score factors is a difference against the sub-chunk's first row, so
-    no factor carries the whole chunk's decay (seed 001 §2.3)."""
+    no factor carries the whole chunk's decay (whose exponential underflows or overflows in fp16)."""
     source = rendered_config(variant, 64, split=split, sub_chunk=16).source
     assert "SUB = 16" in source
     gate = "gam_s" if split == "fused" else "G_s"
@@ -118,8 +134,9 @@ def test_sub_chunks_split_the_exponent(variant, split):
 @cuda
 @pytest.mark.parametrize("variant,overrides", [(v, {"split": s}) for v, s, _ in SPLITS]
                          + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
-                            ("gla", GLA_PRE_SEQ_ALL)],
-                         ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all"])
+                            ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL)],
+                         ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
+                                                                   "kda-pre_seq-all"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)

@@ -2,7 +2,7 @@
 
 CPU: the defaults of the three splits compile for sm_90a at DK = DV = 64 and 128 without spills (ptxas)
 and without a screen rejection (tuner.screen: a barrier inside a thread-index branch that fewer
-threads enter than it waits for, seed 000's deadlock); every placement changes the generated code;
+threads enter than it waits for, a deadlock); every placement changes the generated code;
 a constraint-breaking config is refused before anything is rendered; an output kernel with its own
 DV block (block_dv_o) compiles clean and the model knows its shared memory. GPU: forward() against
 the fp64 oracle.
@@ -16,7 +16,7 @@ from template_checks import assert_compiles_clean, assert_every_value_changes_so
 
 from tuner import model, space
 from tuner import render as rendering
-from tuner.compile import load_kernels
+from tuner.compile import build_kernels, load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
 
@@ -80,6 +80,20 @@ def test_constraint_breaking_config_refused_before_rendering(monkeypatch):
     problem = Problem("gdn", 64, 64, "bf16")
     with pytest.raises(ConstraintError, match="block_dv must divide DV"):
         rendering.render(problem, {**space.load("gdn").default(problem), "block_dv": 128})
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_overlap_needs_64_token_chunks_and_tilelang_refuses_it_at_32(variant, tmp_path):
+    problem = Problem(variant, 128, 128)
+    sp = space.load(variant)
+    config = sp.complete(problem, {"split": "pre_seq", "overlap": True, "chunk_size": 32})
+    reasons = sp.violations(problem, config)
+    assert len(reasons) == 1 and "64 rows per warpgroup" in reasons[0], reasons
+    assert not sp.violations(problem, {**config, "chunk_size": 64})
+    # The truth behind the constraint: the template as emitted without it does not compile.
+    source = rendering.render_unchecked(problem, config)
+    report, _, _ = build_kernels(rendering.Rendered(problem, config, source), cache_dir=tmp_path)
+    assert report.error and "T.wgmma_gemm() requires Hopper WGMMA lowering" in report.error, report.error
 
 
 def test_an_output_block_of_its_own_compiles_clean_and_the_model_knows_its_shared_memory(tmp_path):

@@ -13,7 +13,7 @@ from tuner import model, space
 from tuner.compile import build_kernels, load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
-from tuner.render import Rendered, context, environment, render
+from tuner.render import Rendered, render, render_unchecked
 
 SCALAR = ("linear", "decay", "simple_gla")
 WEIGHTED = ("decay", "simple_gla")
@@ -64,8 +64,7 @@ def test_sixteen_columns_on_256_threads_fail_to_compile_and_the_space_refuses_th
     config = space.load("simple_gla").normalise(
         {**space.load("simple_gla").default(problem), "threads": 256, "scores_in": "shared", **overrides})
     # Rendered past render()'s constraint check, as the template would emit it without the constraints.
-    source = environment().get_template(problem.spec.template.name).render(**context(problem, config))
-    rendered = Rendered(problem, config, source)
+    rendered = Rendered(problem, config, render_unchecked(problem, config))
     report, _, _ = build_kernels(rendered, cache_dir=tmp_path)
     assert report.error and ("GMMA_MN layout" in report.error or "No valid warp partition" in report.error), report.error
     reasons = space.load("simple_gla").violations(rendered.problem, rendered.config)

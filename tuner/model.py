@@ -667,10 +667,9 @@ def shared_memory_bytes(problem: Problem, config: dict) -> int:
 def _source(problem: Problem, config: dict) -> str:
     """The rendered source, without checking the space's constraints: they may ask for
     ``smem_bytes``, which is computed here."""
-    from . import render, space
+    from . import render
 
-    template = render.environment().get_template(problem.spec.template.name)
-    return template.render(**render.context(problem, space.load(problem.variant).normalise(config)))
+    return render.render_unchecked(problem, config)
 
 
 # --------------------------------------------------------------------------------------------

@@ -73,10 +73,17 @@ def render(problem: Problem, config: dict) -> Rendered:
     space = spaces.load(problem.variant)
     config = space.normalise(config)
     space.validate(problem, config)
+    return Rendered(problem, config, render_unchecked(problem, config))
+
+
+def render_unchecked(problem: Problem, config: dict) -> str:
+    """The source the template emits for ``config`` (in its canonical form), whether or not the
+    config keeps the space's constraints: what the model measures, and what a test renders to show
+    that a constraint stands for a real compiler refusal."""
+    config = spaces.load(problem.variant).normalise(config)
     template_name = problem.spec.template.name
     try:
-        source = environment().get_template(template_name).render(**context(problem, config))
+        return environment().get_template(template_name).render(**context(problem, config))
     except jinja2.TemplateError as e:
         where = f"{getattr(e, 'filename', None) or template_name}:{getattr(e, 'lineno', '?')}"
         raise RenderError(f"{where}: {e} (config {config})") from e
-    return Rendered(problem, config, source)
