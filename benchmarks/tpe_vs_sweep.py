@@ -166,7 +166,7 @@ def replay(problem: Problem, fixed: dict, measured: dict[str, dict], trials: int
     measurements; the tuner asks the default config first, or ``start`` in its place."""
     import optuna
 
-    from tuner import environment
+    from tuner import stack
     from tuner.search import study_name, tune
 
     judged = []
@@ -180,7 +180,7 @@ def replay(problem: Problem, fixed: dict, measured: dict[str, dict], trials: int
         if start is not None:  # the study exists with ``start`` first in line: the tuner adds no default
             held = space.load(problem.variant).fix(fixed)
             optuna.create_study(storage=f"sqlite:///{tmp}/replay.db", direction="minimize", study_name=study_name(
-                problem, environment.current(), held)).enqueue_trial(held.stated(start))
+                problem, stack.current(), held)).enqueue_trial(held.stated(start))
         summary = tune(problem, trials=trials, db=os.path.join(tmp, "replay.db"), progress=False, gate=recorded_gate,
                        fixed=fixed, seed=seed)
     return {"trials": trials, "gpu_trials": len(judged), "gpu_seconds": sum(r["gpu_seconds"] for r in judged),

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from tuner.dashboard import nice_ticks, parameter_effects
-from tuner.environment import Environment
+from tuner.stack import Stack
 from tuner.problem import Problem
 from tuner.store import CalibrationPoint, Measurement, Store, TrialRecord, Winner
 
 from browser import Browser, chromium
 
-H200 = Environment("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
+H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
 UPGRADED = replace(H200, tilelang="0.1.16")
 NEW_DRIVER = replace(H200, driver="575.51.03")
 SLOW = Problem("gdn", 128, 128, "bf16", 4, 8192, 16)     # slowed down by the TileLang upgrade
@@ -60,7 +60,7 @@ def tune_study(store: Store, problem: Problem, seed: int) -> TrialRecord:
     return best
 
 
-def record_winner(store: Store, problem: Problem, seed: int, later: list[tuple[Environment, float, float]]) -> None:
+def record_winner(store: Store, problem: Problem, seed: int, later: list[tuple[Stack, float, float]]) -> None:
     """Tune ``problem``, store its winner, then one re-measurement per (stack, median relative to the
     winner's, relative spread)."""
     best = tune_study(store, problem, seed)

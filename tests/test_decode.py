@@ -33,7 +33,7 @@ def test_every_variant_has_a_recurrent_kernel_sharing_one_template_and_space():
     assert set(variants.RECURRENT) == {variants.recurrent_name(v) for v in variants.VARIANTS}
     for name, spec in variants.RECURRENT.items():
         base = variants.VARIANTS[spec.recurrence_of]
-        assert (spec.gate, spec.delta, spec.recurrence) == (base.gate, base.delta, base.recurrence)
+        assert (spec.decay_per, spec.delta, spec.recurrence) == (base.decay_per, base.delta, base.recurrence)
         assert spec.template.name == "recurrent.py.j2" and spec.search_space.name == "recurrent.yaml"
         assert variants.get(name) is spec and Problem(name, 128, 128).spec is spec
     assert all(v.recurrence_of is None for v in variants.VARIANTS.values())
@@ -82,7 +82,7 @@ def oracle_step(base: str, layout: str):
         tokens, (scale, h0, ht, slot_of, cu_seqlens, o) = args[:-6], args[-6:]
         q, k, v, *gates = (t if t.dim() == 1 else t.flatten(0, 1) for t in tokens)
         o = o.flatten(0, 1)
-        g = gates[0] if spec.gate else None
+        g = gates[0] if spec.decay_per else None
         beta = gates[-1] if spec.delta else None
         new = {}
         for n, slot in enumerate(slot_of.tolist()):
@@ -94,7 +94,7 @@ def oracle_step(base: str, layout: str):
                 new[slot] = h0[slot]
                 continue
             state = h0[slot] if layout == "kv" else h0[slot].transpose(-1, -2)
-            per_token = spec.gate in ("token", "channel")
+            per_token = spec.decay_per in ("token", "channel")
             out, final = reference.recurrent(
                 base, q[None, a:b], k[None, a:b], v[None, a:b], g=g[None, a:b] if per_token else g,
                 beta=None if beta is None else beta[None, a:b], scale=scale, initial_state=state[None].double(),
@@ -137,7 +137,7 @@ def inputs(base, batch, seqlen, heads=2, value_heads=None, dk=16, dv=8, seed=0):
     q = torch.randn(batch, seqlen, heads, dk, generator=gen)
     k = torch.nn.functional.normalize(torch.randn(batch, seqlen, heads, dk, generator=gen), dim=-1)
     v = torch.randn(batch, seqlen, HV, dv, generator=gen)
-    g_shape = {None: None, "head": (HV,), "token": (batch, seqlen, HV), "channel": (batch, seqlen, HV, dk)}[spec.gate]
+    g_shape = {None: None, "head": (HV,), "token": (batch, seqlen, HV), "channel": (batch, seqlen, HV, dk)}[spec.decay_per]
     g = None if g_shape is None else torch.log(0.9 + 0.099 * torch.rand(g_shape, generator=gen))
     beta = torch.rand(batch, seqlen, HV, generator=gen) if spec.delta else None
     return [t.bfloat16() for t in (q, k, v)] + [g, beta]

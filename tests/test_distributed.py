@@ -16,7 +16,7 @@ import optuna
 import pytest
 import sqlalchemy as sa
 
-from tuner import environment, search, space
+from tuner import search, space, stack
 from tuner.problem import Problem
 from tuner.store import Store, TrialRecord, Winner
 
@@ -68,7 +68,7 @@ def pg_url():
 def enqueue(url, problem, queued):
     """Create the study the workers will share, with these configs first in line."""
     study = optuna.create_study(storage=url, direction="minimize",
-                                study_name=search.study_name(problem, environment.current()))
+                                study_name=search.study_name(problem, stack.current()))
     for config in queued:
         study.enqueue_trial(config)
     return study.study_name
@@ -127,7 +127,7 @@ def test_two_gated_workers_share_one_study_without_duplicates_and_keep_the_faste
     passing = [r for r in records if r.status == "pass"]
     winners = Store(pg_url).winners(variant="linear")
     assert winners and len({w.digest for w in winners}) == len(winners)  # one row per key
-    assert {(w.problem, w.environment) for w in winners} == {(SMALL, environment.current())}
+    assert {(w.problem, w.stack) for w in winners} == {(SMALL, stack.current())}
     assert min(w.median_ms for w in winners) == min(r.median_ms for r in passing)
     for w in winners:
         assert w.median_ms == min(r.median_ms for r in passing if r.digest == w.digest)
@@ -196,7 +196,7 @@ print(store.claim("racing", "d" * 16, index), store.write_winner(racing_winner(i
 
 def racing_winner(index):
     median = 1.0 + index / 10
-    return Winner(problem=SMALL, environment=environment.current(), digest="d" * 16, config={"num_stages": index},
+    return Winner(problem=SMALL, stack=stack.current(), digest="d" * 16, config={"num_stages": index},
                   median_ms=median, p10_ms=median * 0.9, p90_ms=median * 1.1, gate_errors={}, study="racing",
                   trial_number=index)
 
@@ -216,7 +216,7 @@ def test_racing_processes_create_the_tables_once_claim_once_and_keep_the_fastest
     assert 1.0 in [m.median_ms for m in store.history(winner.id)]  # the kept one's measurement is in its history
     assert all(float(out.split()[1]) <= racing_winner(i).median_ms for i, (out, _) in enumerate(outputs))
     record = TrialRecord(study="racing", number=0, problem=SMALL, config={}, status="compiled",
-                         environment=environment.current(), digest="d" * 16)
+                         stack=stack.current(), digest="d" * 16)
     assert store.record_trial(record) and not store.record_trial(record)  # insert-or-ignore
     assert len(store.trials("racing")) == 1
 
@@ -286,7 +286,7 @@ def test_ctrl_c_to_the_parent_reaches_every_worker_and_they_give_back_their_tria
     assert all(t.params in requeued for t in given_back)
 
 
-@pytest.mark.skipif(environment.has_gpu(), reason="torch sees a CUDA device here")
+@pytest.mark.skipif(stack.has_gpu(), reason="torch sees a CUDA device here")
 def test_gpus_without_a_cuda_device_exits_2_saying_what_torch_sees(tmp_path):
     result = subprocess.run([sys.executable, "-m", "tuner.cli", "run", "--variant", "linear", "--dk", "64",
                              "--gpus", "all", "--db", str(tmp_path / "r.db")],

@@ -8,13 +8,13 @@ import time
 import pytest
 
 from tuner import lookup, paths, space
-from tuner.environment import Environment
+from tuner.stack import Stack
 from tuner.lookup import best_config
 from tuner.problem import Problem
 from tuner.render import render
 from tuner.store import Store, Winner
 
-H200 = Environment("NVIDIA H200", "sm_90", "0.1.15", "13.0.88", "570.86.15", "2.13.0")
+H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "13.0.88", "570.86.15", "2.13.0")
 H100 = dataclasses.replace(H200, gpu="NVIDIA H100 80GB HBM3")
 A100 = dataclasses.replace(H200, gpu="NVIDIA A100-SXM4-80GB", arch="sm_80")
 FAST = space.load("linear").complete(Problem("linear", 64, 64), {"block_dv": 32, "num_stages": 1})
@@ -65,7 +65,7 @@ def test_same_arch_on_another_gpu_model(tmp_path):
     put(db, FAST, env=H100)
     put(db, OTHER, env=A100)
     got = ask(db)
-    assert (got.source, got.config, got.row.environment.gpu) == ("same_arch", FAST, H100.gpu)
+    assert (got.source, got.config, got.row.stack.gpu) == ("same_arch", FAST, H100.gpu)
 
 
 def test_default_when_nothing_fits(tmp_path):

@@ -311,7 +311,7 @@ def packed(variant, lengths, H=2, K=8, V=8, seed=3):
 def per_sequence(variant, x, bounds):
     """The independent implementation on each packed sequence alone, joined like the packed output."""
     outputs, states = [], []
-    per_token = variants.get(variant).gate in ("token", "channel")
+    per_token = variants.get(variant).decay_per in ("token", "channel")
     for n, (s, e) in enumerate(zip(bounds.tolist(), bounds.tolist()[1:])):
         o, state = independent(variant, x["q"][:, s:e], x["k"][:, s:e], x["v"][:, s:e],
                                x["g"][:, s:e] if per_token else x["g"],

@@ -8,13 +8,13 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from tuner import environment
-from tuner.environment import Environment
+from tuner import stack
+from tuner.stack import Stack
 from tuner.problem import Problem
 from tuner.regress import MIN_SHIFT, judge, judge_history
 from tuner.store import Measurement, Store, Winner
 
-H200 = Environment("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
+H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
 UPGRADED = replace(H200, tilelang="0.1.16")
 T0 = datetime(2026, 3, 1)
 
@@ -118,7 +118,7 @@ def test_replay_of_a_missing_database_is_a_one_line_error(tmp_path):
     assert out.stderr.strip().splitlines() == [f"tune: error: {tmp_path / 'absent.db'} does not exist"]
 
 
-@pytest.mark.skipif(environment.has_gpu(), reason="checks the message shown without a CUDA device")
+@pytest.mark.skipif(stack.has_gpu(), reason="checks the message shown without a CUDA device")
 def test_without_a_gpu_regress_says_so_and_points_to_replay(tmp_path):
     db = tmp_path / "r.db"
     make_db(db, [])
@@ -129,7 +129,7 @@ def test_without_a_gpu_regress_says_so_and_points_to_replay(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not environment.has_gpu(), reason="needs a CUDA device")
+@pytest.mark.skipif(not stack.has_gpu(), reason="needs a CUDA device")
 def test_regress_re_times_a_real_winner_and_appends_to_its_history(tmp_path):
     from tuner import space
     from tuner.gate import gate_and_time
@@ -140,7 +140,7 @@ def test_regress_re_times_a_real_winner_and_appends_to_its_history(tmp_path):
     tuned = gate_and_time(problem, config, timeout_s=300, device=0)
     assert tuned.status == "pass", tuned.message
     t = tuned.timing
-    env = environment.current(0)
+    env = stack.current(0)
     db = tmp_path / "r.db"
     store = Store(db)
     w = store.write_winner(Winner(problem, env, render(problem, config).digest, config, t["median_ms"], t["p10_ms"],
@@ -148,7 +148,7 @@ def test_regress_re_times_a_real_winner_and_appends_to_its_history(tmp_path):
     out = run_tune("regress", "--db", str(db))
     assert out.returncode in (0, 1), out.stderr
     history = store.history(w.id)
-    assert len(history) == 2 and history[-1].status == "pass" and history[-1].environment == env
+    assert len(history) == 2 and history[-1].status == "pass" and history[-1].stack == env
     verdict = judge(history[-1], history[:-1])
     assert (out.returncode == 1) == verdict.flagged
 
@@ -171,8 +171,8 @@ def test_winners_of_one_kernel_at_several_shapes_are_gated_once_and_each_timed_a
     from tuner import gate, regress, space
     from tuner.render import render
 
-    monkeypatch.setattr(environment, "has_gpu", lambda: True)
-    monkeypatch.setattr(environment, "current", lambda device=0: H200)
+    monkeypatch.setattr(stack, "has_gpu", lambda: True)
+    monkeypatch.setattr(stack, "current", lambda device=0: H200)
     source = (Path(__file__).parent / "fixtures" / "torch_forward.py").read_text()  # the correct decay module
     real, calls = gate.gate_and_time, []
 

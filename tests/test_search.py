@@ -285,10 +285,10 @@ def without_kernels(monkeypatch, tmp_path):
 
 def enqueue(db, problem, configs):
     """Create the study tune() will resume, with these configs first in line."""
-    from tuner import environment, search
+    from tuner import search, stack
 
     study = optuna.create_study(storage=f"sqlite:///{db}", direction="minimize",
-                                study_name=search.study_name(problem, environment.current()))
+                                study_name=search.study_name(problem, stack.current()))
     for config in configs:
         study.enqueue_trial(config)
     return study.study_name
@@ -331,7 +331,7 @@ def test_each_kernel_judged_is_recorded_at_every_also_at_shape_with_its_timing_a
                               also_at=(larger,))
 
     records = Store(db).trials()
-    companion = search.study_name(SMALL.at(larger), search.environment.current())
+    companion = search.study_name(SMALL.at(larger), search.stack.current())
     tuned = {r.config["num_stages"]: r for r in records if r.study == summary.study}
     at = {r.config["num_stages"]: r for r in records if r.study == companion}
     assert len(records) == 4 and {n: r.status for n, r in at.items()} == {n: r.status for n, r in tuned.items()}
@@ -517,7 +517,7 @@ def test_fixed_parameters_hold_in_every_trial_of_a_study_of_their_own(tmp_path, 
     gated = []
     summary = search.tune(SMALL, trials=3, db=str(tmp_path / "r.db"), jobs=2, progress=False,
                           gate=refusing_gate(gated), fixed={"num_stages": "0", "block_dv": "32"})
-    assert summary.study.endswith(f"+num_stages=0+block_dv=32@{search.environment.current().key()}")
+    assert summary.study.endswith(f"+num_stages=0+block_dv=32@{search.stack.current().key()}")
     records = Store(tmp_path / "r.db").trials()
     assert len([r for r in records if r.status == "mismatch" and r.repeat_of is None]) == 3  # --trials 3
     assert all((r.config["num_stages"], r.config["block_dv"]) == (0, 32) for r in records)
@@ -547,12 +547,12 @@ def test_the_default_is_asked_with_its_inherited_parameters_stated_and_configs_a
 
 @pytest.mark.slow
 def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeypatch):
-    from tuner import search
+    from tuner import limits, search
     from tuner.render import Rendered
     from tuner.store import Store
 
     monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(search, "COMPILE_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(limits, "COMPILE_S", 5.0)
     stuck, fine = (c for c, _ in BEHAVIOURS[:2])
     # Modules whose programs() the compile process calls: the stuck config's never returns, the
     # others (its twin included) have nothing to compile.

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tuner.environment import Environment
+from tuner.stack import Stack
 from tuner.errors import DatabaseError
 from tuner.problem import Problem
 from tuner.store import (CalibrationPoint, Measurement, ShapeBucket, Store, TrialRecord, Winner,
@@ -17,7 +17,7 @@ from tuner.store import (CalibrationPoint, Measurement, ShapeBucket, Store, Tria
 
 from sqlite_lock import LOCK_HOLDER
 
-H200 = Environment("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
+H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
 PROBLEM = Problem("linear", 64, 64)
 
 
@@ -49,7 +49,7 @@ def test_trial_rows_round_trip_and_are_recorded_once(tmp_path):
     assert count(db, "tuner_trials") == 2
     (back,) = Store(db).trials(study="s")
     assert back.status == "pass" and back.median_ms == 0.5 and back.gate_errors == {"o": 1e-3}
-    assert back.problem == PROBLEM and back.environment == H200 and back.config == first.config
+    assert back.problem == PROBLEM and back.stack == H200 and back.config == first.config
     with pytest.raises(Exception):  # frozen
         back.status = "nan"
 
@@ -66,14 +66,14 @@ def test_winner_is_kept_per_key_and_only_replaced_by_a_faster_one(tmp_path):
     kept = store.write_winner(winner(0.5, config={"block_dv": 16}), "pass")
     assert kept.median_ms == 0.5 and kept.config == {"block_dv": 16}
     store.write_winner(winner(3.0, digest="d2"), "pass")  # another template digest: another key
-    other_gpu = Environment("NVIDIA H100 80GB HBM3", *[getattr(H200, f) for f in ("arch", "tilelang", "cuda",
+    other_gpu = Stack("NVIDIA H100 80GB HBM3", *[getattr(H200, f) for f in ("arch", "tilelang", "cuda",
                                                                                  "driver", "torch")])
     store.write_winner(winner(3.0, env=other_gpu), "pass")
     store.write_winner(winner(3.0, problem=Problem("linear", 64, 64, seqlen=1024)), "pass")
     rows = store.winners(variant="linear")
     assert sorted(w.median_ms for w in rows) == [0.5, 3.0, 3.0, 3.0]
     # the two writes that changed the first key are its history; the slower one is not
-    first = next(w for w in rows if w.digest == "d1" and w.environment == H200 and w.problem.seqlen == 8192)
+    first = next(w for w in rows if w.digest == "d1" and w.stack == H200 and w.problem.seqlen == 8192)
     assert [m.median_ms for m in store.history(first.id)] == [1.0, 0.5]
     assert first.spread == pytest.approx((0.6 - 0.45) / 0.5)
 

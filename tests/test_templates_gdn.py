@@ -76,7 +76,7 @@ def test_constraint_breaking_config_refused_before_rendering(monkeypatch):
     def no_render():
         raise AssertionError("the template was loaded for a refused config")
 
-    monkeypatch.setattr(rendering, "environment", no_render)
+    monkeypatch.setattr(rendering, "jinja_environment", no_render)
     problem = Problem("gdn", 64, 64, "bf16")
     with pytest.raises(ConstraintError, match="block_dv must divide DV"):
         rendering.render(problem, {**space.load("gdn").default(problem), "block_dv": 128})

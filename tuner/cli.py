@@ -227,11 +227,11 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_gate(args) -> int:
-    from . import environment, gate
+    from . import gate, stack
 
     problem = problem_from(args)
     config = config_from(args, problem)  # bad input is told first
-    if not environment.has_gpu():
+    if not stack.has_gpu():
         raise UserError("no CUDA device: `tune gate` runs the kernel on the GPU; "
                         "`tune compile` compiles it and reports its resources without one")
     result = gate.run_gate(problem, config, timeout_s=args.timeout, device=args.gpu)

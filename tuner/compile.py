@@ -362,7 +362,7 @@ class _Capture(logging.Handler):
 
 
 @contextlib.contextmanager
-def _environment(**values: str):
+def _env_vars(**values: str):
     """Set environment variables for the duration (TileLang reads its switches at compile time)."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -377,7 +377,7 @@ def _environment(**values: str):
 
 
 def _tilelang_cache_off():
-    return _environment(TILELANG_DISABLE_CACHE="1")
+    return _env_vars(TILELANG_DISABLE_CACHE="1")
 
 
 @contextlib.contextmanager
@@ -408,7 +408,7 @@ def _verbose_compile():
     logger.addHandler(capture)
     logger.setLevel(logging.INFO)
     try:
-        with _environment(TILELANG_VERBOSE="1"):
+        with _env_vars(TILELANG_VERBOSE="1"):
             yield capture
     finally:
         nvcc.compile_cuda = compile_cuda

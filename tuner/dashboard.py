@@ -148,7 +148,7 @@ def polyline(points: Sequence[tuple[float, float]], colour: str, cls: str = "ser
 
 
 def stack_label(m: Measurement | Winner) -> str:
-    e = m.environment
+    e = m.stack
     return f"TileLang {e.tilelang} · CUDA {e.cuda} · driver {e.driver} · torch {e.torch}"
 
 
@@ -162,7 +162,7 @@ def history_chart(winner: Winner, verdicts: list[Verdict]) -> str:
     ylim = (lo, hi + 0.2 * (hi - lo))  # headroom for regression markers and stack-change labels
     n = len(verdicts)
     every = max(1, math.ceil(n / 10))
-    plot = Plot("chart-history", f"latency history: {winner_label(winner)} on {winner.environment.gpu}",
+    plot = Plot("chart-history", f"latency history: {winner_label(winner)} on {winner.stack.gpu}",
                 (-0.6, max(n - 0.4, 0.6)), ylim, width=760, height=300, xlabel="measurement (date)",
                 ylabel="latency (ms)")
     plot.axes([(i, v.measurement.measured_at.strftime("%m-%d")) for i, v in enumerate(verdicts) if i % every == 0])
@@ -490,7 +490,7 @@ def history_section(view: ProblemView) -> str:
     distinct = distinctions([w for w, _ in view.winners])
     for w, verdicts in view.winners:
         told = f" · {esc(distinct[w.id])}" if distinct[w.id] and not distinct[w.id].startswith("kernel") else ""
-        parts.append(f"<h3>{esc(w.environment.gpu)} · {esc(w.environment.arch)} · kernel {esc(w.digest)}{told}</h3>")
+        parts.append(f"<h3>{esc(w.stack.gpu)} · {esc(w.stack.arch)} · kernel {esc(w.digest)}{told}</h3>")
         if not verdicts:
             parts.append('<p class="note">no measurement recorded</p>')
             continue
@@ -536,7 +536,7 @@ def winners_section(view: ProblemView) -> str:
     rows = []
     for w, _ in view.winners:
         trial = _trial_of_winner(view, w)
-        rows.append((esc(w.environment.gpu), esc(stack_label(w)), f"<code>{esc(w.digest)}</code>",
+        rows.append((esc(w.stack.gpu), esc(stack_label(w)), f"<code>{esc(w.digest)}</code>",
                      f"<code>{esc(config_text(w.config))}</code>", registers_text(trial), latency(w),
                      esc(format_errors(w.gate_errors)) or "-",
                      f"{w.updated_at:%Y-%m-%d} · {esc(w.study)} #{w.trial_number}"))
@@ -615,7 +615,7 @@ def index_page(views: list[ProblemView], fla_rows: list[dict] | None, calibrated
         for w, verdicts in view.winners:
             latest = verdicts[-1] if verdicts else None
             told = f'<br><span class="muted">{esc(distinct[w.id])}</span>' if distinct[w.id] else ""
-            rows.append((link, shape + told, esc(w.environment.gpu), esc(stack_label(latest.measurement if latest else w)),
+            rows.append((link, shape + told, esc(w.stack.gpu), esc(stack_label(latest.measurement if latest else w)),
                          latency(latest.measurement if latest else None), sparkline(verdicts),
                          badge(latest.kind) if latest else "-"))
             classes.append("flagged" if latest and latest.flagged else "")

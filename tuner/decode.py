@@ -153,7 +153,7 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         N = cu_seqlens.shape[0] - 1
         cu = cu_seqlens if cu_seqlens.dtype == torch.int64 else cu_seqlens.to(torch.int64)
 
-    gate_shape = {None: None, "head": (HV,), "token": (B, T, HV), "channel": (B, T, HV, DK)}[spec.gate]
+    gate_shape = {None: None, "head": (HV,), "token": (B, T, HV), "channel": (B, T, HV, DK)}[spec.decay_per]
     tensors = [_dense(q), _dense(k), _dense(v)]
     if gate_shape is not None:
         if g is None and variant == "gdn":  # FLA: no g, no decay

@@ -25,11 +25,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from . import limits, status
 from .problem import Problem
 
 __all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "shape_timing", "twin_config"]
 
-STATUSES = ("pass", "compile_error", "screen", "hang", "nan", "mismatch", "crash")
+STATUSES = tuple(s.value for s in status.GATE)
 # The end of the child's output kept in a crash message.
 LOG_TAIL_CHARS = 3000
 
@@ -87,7 +88,7 @@ def twin_config(config: dict) -> dict | None:
     return {**config, "num_stages": 0} if config.get("num_stages", 0) > 0 else None
 
 
-def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None, timeout_s: float = 120,
+def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None, timeout_s: float = limits.GATE_S,
              device: int = 0, source: str | None = None, tolerance: float | None = None,
              seeds: tuple[int, ...] = (0, 1), seqlens: tuple[int, ...] = (1024, 1000), batch: int = 2,
              heads: int = 4, cache_dir=None) -> GateResult:
@@ -98,7 +99,7 @@ def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None
         config (dict): template parameters.
         regimes (list[str]): input regimes. Default: None (``tuner.inputs.regimes_for(variant)``).
         timeout_s (float): wall-clock limit of the child, compile included; then its process group
-            is killed and the status is "hang". Default: 120.
+            is killed and the status is "hang". Default: ``limits.GATE_S``.
         device (int): CUDA device index; the CPU when CUDA is absent. Default: 0.
         source (str): a module source with the ``programs()``/``forward()`` contract, used instead
             of rendering ``config`` (no twin check then). Default: None.
@@ -117,7 +118,7 @@ def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None
 
 
 def gate_and_time(problem: Problem, config: dict, *, also_at: tuple[str, ...] = (), warmup_ms: float = 25.0,
-                  rep: int = 100, timeout_s: float = 120, **gate_args) -> GateResult:
+                  rep: int = 100, timeout_s: float = limits.GATE_S, **gate_args) -> GateResult:
     """:func:`run_gate`, then on a pass time ``forward`` at the problem's (B, T, H) in the same child,
     and at each shape of ``also_at``: the gate does not depend on the shape, so one gate serves all.
 
@@ -125,7 +126,7 @@ def gate_and_time(problem: Problem, config: dict, *, also_at: tuple[str, ...] = 
         problem, config: as in :func:`run_gate`.
         also_at (tuple[str]): more shapes (``BxTxH``) to time a passing config at (``timing_at``).
         warmup_ms (float), rep (int): passed to ``tuner.bench.time_forward``. Default: 25, 100.
-        timeout_s (float): as in :func:`run_gate`; make it cover the timing too. Default: 120.
+        timeout_s (float): as in :func:`run_gate`; make it cover the timing too. Default: ``limits.GATE_S``.
         **gate_args: the other keyword arguments of :func:`run_gate`.
 
     Returns:

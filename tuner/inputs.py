@@ -48,7 +48,7 @@ def regimes_for(variant: str) -> list[str]:
     """
     spec = variants.get(variant)
     names = ["default", "initial_state"]
-    if spec.gate is not None:
+    if spec.decay_per is not None:
         names += ["alpha0.9", "alpha0.99", "alpha0.5"]
     if spec.per_channel:
         names += ["channel_lb0.9", "channel_free"]
@@ -87,10 +87,11 @@ def make_inputs(problem: Problem, regime: str = "default", seed: int = 0, device
     spec = problem.spec
     if regime not in REGIMES:
         raise UserError(f"unknown regime {regime!r}; accepted: {', '.join(REGIMES)}")
-    if regime in _ALPHA_REGIMES and spec.gate is None:
+    if regime in _ALPHA_REGIMES and spec.decay_per is None:
         raise UserError(f"regime {regime!r} sets a decay, but variant {spec.name!r} has none")
     if regime.startswith("channel_") and not spec.per_channel:
-        raise UserError(f"regime {regime!r} needs per-channel gates; variant {spec.name!r} has gate {spec.gate!r}")
+        has = f"a decay per {spec.decay_per}" if spec.decay_per else "no decay"
+        raise UserError(f"regime {regime!r} needs per-channel gates; variant {spec.name!r} has {has}")
     B = problem.batch if batch is None else batch
     T = problem.seqlen if seqlen is None else seqlen
     H = problem.heads if heads is None else heads

@@ -21,8 +21,8 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from . import environment, space as spaces
-from .environment import NONE, Environment
+from . import space as spaces, stack
+from .stack import NONE, Stack
 from .errors import UserError
 from .paths import DB_ENV, SHIPPED_DB, user_db
 from .problem import Problem
@@ -66,7 +66,7 @@ class Lookup:
 
 
 def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16", batch: int = 4,
-                seqlen: int = 8192, heads: int = 16, device: int | Environment | None = None,
+                seqlen: int = 8192, heads: int = 16, device: int | Stack | None = None,
                 db: str | os.PathLike | None = None) -> Lookup:
     """The best stored config for a problem on this machine, and where it came from.
 
@@ -75,8 +75,8 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
         dk (int): key/query head dim. dv (int): value head dim. Default: ``dk``.
         dtype (str): ``"bf16"`` or ``"fp16"``. Default: ``"bf16"``.
         batch, seqlen, heads (int): the shape the kernel will run at. Default: 4, 8192, 16.
-        device (int | Environment): the CUDA device index to look up for, or the
-            :class:`~tuner.environment.Environment` of another machine. Default: device 0.
+        device (int | Stack): the CUDA device index to look up for, or the
+            :class:`~tuner.stack.Stack` of another machine. Default: device 0.
         db (str | os.PathLike): the user's results database, read over the shipped one.
             Default: ``$LINATTN_TUNER_DB`` when set, else the per-user database ``tune`` writes to
             (:func:`tuner.paths.user_db`) when it exists.
@@ -90,7 +90,7 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
         'exact'
     """
     problem = Problem(variant, dk, dv or dk, dtype, batch, seqlen, heads)
-    env = device if isinstance(device, Environment) else environment.current(device or 0)
+    env = device if isinstance(device, Stack) else stack.current(device or 0)
     named = db if db is not None else os.environ.get(DB_ENV)
     if named is not None and not os.path.exists(named):
         raise UserError(f"results database {os.path.abspath(named)} does not exist")
@@ -116,7 +116,7 @@ def _file_state(path: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(problem: Problem, env: Environment, files: tuple) -> Lookup:
+def _lookup(problem: Problem, env: Stack, files: tuple) -> Lookup:
     # The user's database first: on ties it wins over the shipped one.
     rows = [(w, path) for path, state in files if state[0] is not None
             for w in _winners(path, problem)]
@@ -128,14 +128,14 @@ def _lookup(problem: Problem, env: Environment, files: tuple) -> Lookup:
         else:
             fresh.append((w, path))
     want = shape_bucket(problem.batch, problem.seqlen, problem.heads)
-    same_gpu = [x for x in fresh if x[0].environment.gpu == env.gpu]
-    same_arch = [x for x in fresh if x[0].environment.arch == env.arch != NONE and x not in same_gpu]
+    same_gpu = [x for x in fresh if x[0].stack.gpu == env.gpu]
+    same_arch = [x for x in fresh if x[0].stack.arch == env.arch != NONE and x not in same_gpu]
     exact = [x for x in same_gpu if x[0].bucket == want]
     order = {path: i for i, (path, _) in enumerate(files)}
 
     def rank(x):  # nearest bucket, then this driver, then the user's database, then fastest
         w, path = x
-        return (w.bucket.distance(want), w.environment.driver != env.driver, order[path], w.median_ms)
+        return (w.bucket.distance(want), w.stack.driver != env.driver, order[path], w.median_ms)
 
     for source, group in (("exact", exact), ("nearest_bucket", same_gpu), ("same_arch", same_arch)):
         if group:
@@ -152,11 +152,11 @@ def _winners(path: str, problem: Problem) -> list[Winner]:
         store.close()
 
 
-def _stale_reason(w: Winner, env: Environment) -> str | None:
-    if w.environment.tilelang != env.tilelang:
-        return f"tuned with TileLang {w.environment.tilelang}, this machine has {env.tilelang}"
-    if w.environment.cuda != env.cuda:
-        return f"tuned with CUDA {w.environment.cuda}, this machine has {env.cuda}"
+def _stale_reason(w: Winner, env: Stack) -> str | None:
+    if w.stack.tilelang != env.tilelang:
+        return f"tuned with TileLang {w.stack.tilelang}, this machine has {env.tilelang}"
+    if w.stack.cuda != env.cuda:
+        return f"tuned with CUDA {w.stack.cuda}, this machine has {env.cuda}"
     digest = _digest(w.problem.variant, w.problem.dk, w.problem.dv, w.problem.dtype,
                       tuple(sorted(w.config.items())))
     if digest is None:

@@ -1076,7 +1076,7 @@ def calibrate(problem: Problem, samples: int, seed: int, db: str, progress=print
         CalibrationResult
     """
     from .compile import compile_rendered
-    from .environment import current
+    from .stack import current
     from .render import render
     from .store import CalibrationPoint, Store
 

@@ -57,9 +57,9 @@ def _prepare(variant, q, k, v, g, beta, scale, initial_state) -> _Inputs:
     def heads_first(t):  # [B, T, H, ...] -> [B, H, T, ...] in float64
         return t.to(f64).transpose(1, 2)
 
-    if spec.gate is None:
+    if spec.decay_per is None:
         gates = torch.zeros(B, H, T, dtype=f64, device=q.device)
-    elif spec.gate == "head":
+    elif spec.decay_per == "head":
         gates = g.to(f64)[None, :, None].expand(B, H, T)
     else:
         gates = heads_first(g)
@@ -130,7 +130,7 @@ def _each_sequence(form, variant, q, k, v, g, beta, scale, initial_state, output
     if cu_seqlens is None:
         return form(variant, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
     outputs, states = [], []
-    per_token = variants.get(variant).gate in ("token", "channel")
+    per_token = variants.get(variant).decay_per in ("token", "channel")
     for n, (start, end) in enumerate(_sequence_bounds(cu_seqlens, q, initial_state)):
         h0 = None if initial_state is None else initial_state[n:n + 1]
         if start == end:  # an empty sequence: no output, the state passes through

@@ -23,13 +23,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import environment, gate, variants
+from . import gate, limits, stack, variants
 from .errors import UserError
 from .store import Measurement, Store, Winner
 
 # Smallest relative change of the median that is flagged, however tight the bands are.
 MIN_SHIFT = 0.03
-GATE_TIMEOUT_S = 300.0
 VERDICTS = ("failed", "regressed", "improved", "steady", "first")
 FLAGGED = ("failed", "regressed")
 
@@ -61,8 +60,8 @@ class Verdict:
 
 def stack_changes(before: Measurement, after: Measurement) -> tuple[str, ...]:
     """What differs between two measurements' stacks and kernel sources, as ``"name old -> new"``."""
-    changes = tuple(f"{name} {old} -> {new}" for name, old in before.environment.as_dict().items()
-                    if old != (new := getattr(after.environment, name)))
+    changes = tuple(f"{name} {old} -> {new}" for name, old in before.stack.as_dict().items()
+                    if old != (new := getattr(after.stack, name)))
     if before.digest and after.digest and before.digest != after.digest:
         changes += (f"template {before.digest} -> {after.digest}",)
     return changes
@@ -176,24 +175,24 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
     Returns:
         list[Outcome]: one per winner, in the store's order.
     """
-    if not environment.has_gpu():
+    if not stack.has_gpu():
         raise UserError("no CUDA device: `tune regress` re-times the winners on the GPU; "
                         "`tune regress --replay` judges the recorded history without one")
     from .render import render
 
-    env = environment.current(device)
+    env = stack.current(device)
     selected = _selected(store, names)
     outcomes: dict[int, Outcome] = {}
     kernels: dict[str, list[Winner]] = {}  # the kernel as it renders today -> its winners (at several shapes)
     for w in selected:
-        if w.environment.gpu != env.gpu:
-            outcomes[w.id] = Outcome(w, None, f"tuned on {w.environment.gpu}, not timed on {env.gpu}")
+        if w.stack.gpu != env.gpu:
+            outcomes[w.id] = Outcome(w, None, f"tuned on {w.stack.gpu}, not timed on {env.gpu}")
             continue
         kernels.setdefault(render(w.problem, w.config).digest, []).append(w)
     for digest, group in kernels.items():
         first = group[0]
         also_at = tuple(dict.fromkeys(w.problem.shape for w in group if w.problem.shape != first.problem.shape))
-        result = gate.gate_and_time(first.problem, first.config, also_at=also_at, timeout_s=GATE_TIMEOUT_S,
+        result = gate.gate_and_time(first.problem, first.config, also_at=also_at, timeout_s=limits.GATE_S,
                                     device=device)
         for w in group:
             note = "" if digest == w.digest else f"template changed: kernel {w.digest} now renders as {digest}"
@@ -204,7 +203,7 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
                     status, note, timing = "crash", failure, {}
             previous = store.history(w.id)
             measurement = store.add_measurement(Measurement(
-                winner_id=w.id, status=status, environment=env, gate_errors=result.errors,
+                winner_id=w.id, status=status, stack=env, gate_errors=result.errors,
                 median_ms=timing.get("median_ms"), p10_ms=timing.get("p10_ms"), p90_ms=timing.get("p90_ms"),
                 digest=digest))
             outcomes[w.id] = Outcome(w, judge(measurement, previous), note)
@@ -223,7 +222,7 @@ def distinctions(winners: list[Winner]) -> dict[int, str]:
     else the kernel digest; "" for a winner alone. Keyed by winner id."""
     groups: dict[tuple, list[Winner]] = {}
     for w in winners:
-        groups.setdefault((w.problem, w.environment.gpu), []).append(w)
+        groups.setdefault((w.problem, w.stack.gpu), []).append(w)
     out = {}
     for group in groups.values():
         names = sorted({k for w in group for k in w.config})
@@ -255,7 +254,7 @@ def print_outcomes(outcomes: list[Outcome], replayed: bool) -> None:
         kind = v.kind if v else "-"
         shown = f"[{styles[kind]}]{kind}[/]" if kind in styles else kind
         label = " · ".join(filter(None, (winner_label(o.winner), distinct[o.winner.id])))
-        cells = (label, o.winner.environment.gpu, v.reason if v else "",
+        cells = (label, o.winner.stack.gpu, v.reason if v else "",
                  ", ".join(v.changes) if v else "", o.note)
         label, gpu, reason, changes, note = map(escape, cells)  # reasons hold "[p10 ..., p90 ...]"
         table.add_row(label, gpu, shown, reason, changes, note)

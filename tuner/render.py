@@ -1,6 +1,6 @@
 """Render a variant's Jinja template into plain TileLang Python for one config.
 
-The environment is strict (an undefined name is an error, not an empty string), and a
+The Jinja environment is strict (an undefined name is an error, not an empty string), and a
 template error is re-raised with the template's name and line and the config that caused it.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Rendered:
 
 
 @functools.cache
-def environment() -> jinja2.Environment:
+def jinja_environment() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
         undefined=jinja2.StrictUndefined,
@@ -83,7 +83,7 @@ def render_unchecked(problem: Problem, config: dict) -> str:
     config = spaces.load(problem.variant).normalise(config)
     template_name = problem.spec.template.name
     try:
-        return environment().get_template(template_name).render(**context(problem, config))
+        return jinja_environment().get_template(template_name).render(**context(problem, config))
     except jinja2.TemplateError as e:
         where = f"{getattr(e, 'filename', None) or template_name}:{getattr(e, 'lineno', '?')}"
         raise RenderError(f"{where}: {e} (config {config})") from e

@@ -27,7 +27,7 @@ Several workers may run one study at once (one per GPU, :func:`tune_on_gpus`, or
 hosts sharing a PostgreSQL ``storage``): Optuna's storage hands each trial to one worker, a
 kernel is judged by the trial that claims it first (``tuner_claims``) while other trials that
 propose it wait for that outcome, and each worker fails and re-proposes the trials of workers
-that died (on this host at once, elsewhere once their heartbeat is ``GRACE_S`` old).
+that died (on this host at once, elsewhere once their heartbeat is ``limits.GRACE_S`` old).
 
 Outcomes reach Optuna as follows: ``pass`` is COMPLETE with the median latency (ms) as the value to minimise; every other outcome is PRUNED,
 infeasible ones with a positive constraint so TPE steers away from them (``compiled`` is
@@ -55,40 +55,23 @@ from datetime import datetime
 import optuna
 from optuna.trial import TrialState
 
-from . import environment, space as spaces
-from .environment import Environment
+from . import space as spaces, stack
+from .stack import Stack
 from .errors import UserError
 from . import model
 from .gate import gate_and_time, shape_timing, twin_config
-from . import paths
+from . import limits, paths
 from .paths import written_db
 from .problem import Problem
 from .render import RenderError, render
+from .status import FAILED, FREE, INFEASIBLE
 from .store import Store, TrialRecord, Winner, utcnow
 
 DEFAULT_TRIALS = 40
-# Outcomes that cost no compile (a broken constraint, a model prune) and repeats of a kernel already
-# judged: free, so not counted against --trials. After this many free proposals in a row the space
-# is taken as searched out (TPE keeps proposing what it has seen).
-FREE_STATUSES = ("constraint", "pruned")
+# Broken constraints, model prunes and repeats of a kernel already judged are free (not counted
+# against --trials). After this many free proposals in a row the space is taken as searched out
+# (TPE keeps proposing what it has seen).
 MAX_FREE_STREAK = 200
-GATE_TIMEOUT_S = 300.0
-# A compile running this long is stuck (they take 10-60 s, nvcc included): its pool is killed, it
-# is recorded as a hang and the others are compiled again.
-COMPILE_TIMEOUT_S = 240.0
-# A RUNNING trial whose worker has not beaten for GRACE_S is failed by the other workers.
-HEARTBEAT_S = 30
-GRACE_S = 120
-# How often a trial waiting for another worker's judgement of the same kernel looks for it.
-WAIT_POLL_S = 2.0
-STOP_POLL_S = 1.0  # how soon a Ctrl-C is acted on
-# A RUNNING trial with no worker tag this long after its start was orphaned inside study.ask():
-# a live worker tags its trial within milliseconds of asking for it.
-ORPHAN_S = 10
-# Outcomes that mean "this config cannot work", and the constraint that tells TPE so.
-_INFEASIBLE = {"constraint": "space", "pruned": "registers", "compile_error": "kernel", "screen": "kernel",
-               "hang": "kernel", "nan": "kernel", "mismatch": "kernel", "crash": "kernel"}
-_FAILED = ("compile_error", "screen", "hang", "nan", "mismatch", "crash")
 
 
 @dataclass(frozen=True)
@@ -142,7 +125,7 @@ class _Candidate:
         return self.trial.number
 
 
-def study_name(problem: Problem, env: Environment, space: spaces.Space | None = None) -> str:
+def study_name(problem: Problem, env: Stack, space: spaces.Space | None = None) -> str:
     """The study of ``problem`` on this stack: a different GPU or toolchain is another study, and so
     is a search with parameters held fixed (``space.fixed``)."""
     p = problem
@@ -191,9 +174,9 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
     space = spaces.load(problem.variant).fix(fixed or {})  # bad input fails before the database is touched
     companions = companion_problems(problem, also_at)
     store = Store(storage or written_db(db))  # then a database that cannot be used fails before any work
-    if gate is None and environment.has_gpu():
+    if gate is None and stack.has_gpu():
         gate = gate_and_time
-    env = environment.current(gpu)
+    env = stack.current(gpu)
     with warnings.catch_warnings():
         # Heartbeats, group sampling and fail_stale_trials are used on purpose (with ask/tell).
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -260,7 +243,7 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
         # Started as a background job, the process inherits SIGINT ignored: take it back, so that
         # an interrupt still reaches the workers (the loop below passes it on).
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    env = environment.current(devices[0])
+    env = stack.current(devices[0])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         name = _open_study(problem, env, store, space).study_name  # created once, before the workers race to
@@ -303,7 +286,7 @@ def tune_on_gpus(problem: Problem, args, devices: list[int]) -> int:
     return failed[0][1] if failed else 0
 
 
-def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.Space,
+def _open_study(problem: Problem, env: Stack, store: Store, space: spaces.Space,
                 seed: int | None = None) -> optuna.Study:
     """The study of ``space`` in ``store``'s database, created with the space's default config
     first in line when it is new; its sampler seeded by ``seed`` (see :func:`tune`)."""
@@ -312,7 +295,7 @@ def _open_study(problem: Problem, env: Environment, store: Store, space: spaces.
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with store.schema_lock():  # Optuna creates its tables, and a new study, without guarding against a race
         storage = optuna.storages.RDBStorage(
-            store.url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+            store.url, engine_kwargs=engine_kwargs, heartbeat_interval=limits.HEARTBEAT_S, grace_period=limits.GRACE_S,
             heartbeat_stale_trial_callback=lambda study, trial: _Tuner.rerun(study, trial, store))
         # Seeded by the study, how far it got and the seed or worker (_salt).
         done = 0
@@ -412,18 +395,18 @@ class _Tuner:
         lost = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                 if _is_dead_here(t.user_attrs.get("worker"))
                 # created, then killed inside study.ask() before it got a worker tag or a heartbeat
-                or ("worker" not in t.user_attrs and (now - t.datetime_start).total_seconds() > ORPHAN_S)]
+                or ("worker" not in t.user_attrs and (now - t.datetime_start).total_seconds() > limits.ORPHAN_S)]
         self._settle_lost([(t._trial_id, t.number, t.params) for t in lost])
         optuna.storages.fail_stale_trials(self.study)
 
     def _outwait_orphans(self) -> None:
-        """Before leaving, let untagged RUNNING trials grow ORPHAN_S old and settle them, so a
+        """Before leaving, let untagged RUNNING trials grow limits.ORPHAN_S old and settle them, so a
         study resumed after a kill inside study.ask() ends with nothing RUNNING."""
         untagged = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                     if "worker" not in t.user_attrs]
-        if untagged:  # wait for the youngest: recover() settles each once it is ORPHAN_S old
+        if untagged:  # wait for the youngest: recover() settles each once it is limits.ORPHAN_S old
             youngest = max(t.datetime_start for t in untagged)
-            time.sleep(max(0.0, ORPHAN_S + 1 - (datetime.now() - youngest).total_seconds()))
+            time.sleep(max(0.0, limits.ORPHAN_S + 1 - (datetime.now() - youngest).total_seconds()))
             self.recover()
 
     def _settle_lost(self, trials: list[tuple[int, int, dict]]) -> None:
@@ -492,7 +475,7 @@ class _Tuner:
                         break
                     continue
                 futures = [*compiling, *gating]
-                poll_s = min(WAIT_POLL_S if self.waiting_on else HEARTBEAT_S / 2, STOP_POLL_S)
+                poll_s = min(limits.WAIT_POLL_S if self.waiting_on else limits.HEARTBEAT_S / 2, limits.STOP_POLL_S)
                 if futures:
                     done, _ = cf.wait(futures, timeout=poll_s, return_when=cf.FIRST_COMPLETED)
                 else:  # only waiting for other workers' outcomes
@@ -570,7 +553,7 @@ class _Tuner:
             return False
         states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
         counted = [t for t in self.study.get_trials(deepcopy=False, states=states)
-                   if t.user_attrs.get("status") not in FREE_STATUSES and "repeat_of" not in t.user_attrs]
+                   if t.user_attrs.get("status") not in FREE and "repeat_of" not in t.user_attrs]
         return trials is None or len(counted) < trials
 
     def _propose(self) -> _Candidate | None:
@@ -578,7 +561,7 @@ class _Tuner:
         to compile, or None when the trial was settled here."""
         trial = self.study.ask()
         # Heartbeat first: a trial with one is failed by the other workers if this process dies
-        # now; one without (killed right inside ask()) is failed once ORPHAN_S old (recover()).
+        # now; one without (killed right inside ask()) is failed once limits.ORPHAN_S old (recover()).
         self.study._storage.record_heartbeat(trial._trial_id)
         config = {}
         try:
@@ -587,7 +570,7 @@ class _Tuner:
                 if self.space.active(name, config):
                     config[name] = trial.suggest_categorical(name, list(p.values))
         except optuna.exceptions.UpdateFinishedTrialError:
-            return None  # ask() outlasted ORPHAN_S: another worker failed the trial and re-proposed it
+            return None  # ask() outlasted limits.ORPHAN_S: another worker failed the trial and re-proposed it
         config = self.space.normalise(config)
         candidate = _Candidate(trial, config)
         self.in_flight[trial.number] = candidate
@@ -702,7 +685,7 @@ class _Tuner:
         return pool
 
     def _watch_compiles(self, compiling, pool, context):
-        """The compile watchdog: a compile running for COMPILE_TIMEOUT_S is recorded as a hang; as
+        """The compile watchdog: a compile running for limits.COMPILE_S is recorded as a hang; as
         a process pool cannot stop one task, its workers are killed and the other compiles are
         submitted again to a new pool. Returns the pool."""
         now = time.monotonic()
@@ -710,18 +693,18 @@ class _Tuner:
             if candidate.compile_running_since is None and future.running():
                 candidate.compile_running_since = now
         stuck = [f for f, c in compiling.items()
-                 if c.compile_running_since is not None and now - c.compile_running_since > COMPILE_TIMEOUT_S]
+                 if c.compile_running_since is not None and now - c.compile_running_since > limits.COMPILE_S]
         if not stuck:
             return pool
         for future in stuck:
             self._finish(compiling.pop(future), "hang",
-                         f"compile still running after {COMPILE_TIMEOUT_S:g} s; its process was killed")
+                         f"compile still running after {limits.COMPILE_S:g} s; its process was killed")
         return self._new_pool(pool, context, compiling)
 
     def _gate(self, candidate: _Candidate):
         start = time.monotonic()
         also_at = {"also_at": tuple(p.shape for p, _ in self.companions)} if self.companions else {}
-        result = self.gate(self.problem, candidate.config, timeout_s=GATE_TIMEOUT_S, device=self.gpu, **also_at)
+        result = self.gate(self.problem, candidate.config, timeout_s=limits.GATE_S, device=self.gpu, **also_at)
         return result, time.monotonic() - start
 
     def _gated(self, future, candidate: _Candidate) -> None:
@@ -744,7 +727,7 @@ class _Tuner:
         report = candidate.compile
         record = TrialRecord(
             study=self.study.study_name, number=candidate.number, problem=self.problem, config=candidate.config,
-            status=status, environment=self.env, reason=reason, digest=candidate.digest,
+            status=status, stack=self.env, reason=reason, digest=candidate.digest,
             prediction=candidate.prediction, compile_report=report and report["report"],
             compile_seconds=report and report["seconds"], started_at=candidate.started_at, **measured)
         self._settle(candidate, record)
@@ -752,7 +735,7 @@ class _Tuner:
             self.judged[candidate.digest] = record
             for repeat in self.waiting_on.pop(candidate.digest, []):
                 self._repeat(repeat, record)
-        if candidate.digest is not None and status not in FREE_STATUSES:
+        if candidate.digest is not None and status not in FREE:
             for problem, study in self.companions:
                 self._record_companion(problem, study, record, timing_at or {})
 
@@ -773,7 +756,7 @@ class _Tuner:
                 measured = _latencies(timing)
         elif record.reason:
             reason = f"{record.reason}; {reason}"
-        infeasible = _INFEASIBLE.get(status)
+        infeasible = INFEASIBLE.get(status)
         params = self.space.stated(record.config)
         frozen = optuna.trial.create_trial(
             params=params, value=measured.get("median_ms"),
@@ -786,7 +769,7 @@ class _Tuner:
         trial_id = study._storage.create_new_trial(study._study_id, template_trial=frozen)
         self.store.record_trial(TrialRecord(
             study=study.study_name, number=study._storage.get_trial_number_from_id(trial_id), problem=problem,
-            config=record.config, status=status, environment=self.env, reason=reason, digest=record.digest,
+            config=record.config, status=status, stack=self.env, reason=reason, digest=record.digest,
             prediction=record.prediction, compile_report=record.compile_report,
             compile_seconds=record.compile_seconds, gate_errors=record.gate_errors, started_at=record.started_at,
             **measured))
@@ -797,14 +780,14 @@ class _Tuner:
         same = {k: getattr(original, k) for k in ("status", "reason", "prediction", "compile_report",
                                                    "gate_errors", "median_ms", "p10_ms", "p90_ms")}
         record = TrialRecord(study=self.study.study_name, number=candidate.number, problem=self.problem,
-                             config=candidate.config, environment=self.env, digest=candidate.digest,
+                             config=candidate.config, stack=self.env, digest=candidate.digest,
                              repeat_of=original.number, started_at=candidate.started_at, **same)
         self._settle(candidate, record)
 
     def _settle(self, candidate: _Candidate, record: TrialRecord) -> None:
         self.store.record_trial(record)
         self._tell(candidate.trial, record)
-        free = record.status in FREE_STATUSES or record.repeat_of is not None
+        free = record.status in FREE or record.repeat_of is not None
         self.free_streak = self.free_streak + 1 if free else 0
         self.in_flight.pop(candidate.number, None)
         if record.repeat_of is None:
@@ -825,9 +808,9 @@ class _Tuner:
             if record.status == "pass" and record.median_ms is not None:
                 self.study.tell(trial, record.median_ms, skip_if_finished=True)
                 return
-            if record.status in _INFEASIBLE:
+            if record.status in INFEASIBLE:
                 over = record.prediction["registers"] - self.budget if record.status == "pruned" else 1
-                trial.set_constraint(_INFEASIBLE[record.status], float(max(over, 1)))
+                trial.set_constraint(INFEASIBLE[record.status], float(max(over, 1)))
             self.study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
         except optuna.exceptions.UpdateFinishedTrialError:
             pass
@@ -839,7 +822,7 @@ class _Tuner:
         if row is None:
             return
         self.store.write_winner(Winner(
-            problem=problem, environment=self.env, digest=row.digest, config=row.config,
+            problem=problem, stack=self.env, digest=row.digest, config=row.config,
             median_ms=row.median_ms, p10_ms=row.p10_ms, p90_ms=row.p90_ms, gate_errors=row.gate_errors or {},
             study=row.study, trial_number=row.number), gate_status=row.status)
 
@@ -1008,13 +991,13 @@ def _print_study(console, summary: TuneSummary) -> None:
 
 def judged_count(counts: Counter) -> int:
     """Kernels judged (what ``--trials`` counts), from counts that leave repeats out."""
-    return sum(n for status, n in counts.items() if status not in FREE_STATUSES)
+    return sum(n for status, n in counts.items() if status not in FREE)
 
 
 def describe_counts(counts: Counter, repeats: int, gated: bool) -> str:
     """The counts in words, the same in the progress lines and the summary: the kernels judged by
     outcome, then the free proposals (``counts`` leaves repeats out; they are ``repeats``)."""
-    failed = sum(counts[s] for s in _FAILED)
+    failed = sum(counts[s] for s in FAILED)
     judged = (f"passed {counts['pass']}, failed {failed}" if gated else
               f"compiled {counts['compiled']}, failed {failed} (no GPU: none gated or timed)")
     return (f"{judged}; not compiled: {counts['constraint']} broke a constraint, {counts['pruned']} pruned "

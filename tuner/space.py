@@ -112,7 +112,7 @@ class Space:
                 reasons.append(f"{name} is missing")
         if reasons:
             return reasons
-        env = _Env(problem, config)
+        env = _ConstraintScope(problem, config)
         # The shared-memory constraints render the kernel to count its buffers: judge them only
         # for configs that pass the cheap ones.
         cheap = [c for c in self.constraints if "smem_bytes" not in c.require]
@@ -177,7 +177,7 @@ class Space:
         raise UserError(f"{p.name}={raw} is not one of {list(p.values)}")
 
 
-class _Env(dict):
+class _ConstraintScope(dict):
     """Names available to constraint expressions; ``smem_bytes`` is computed on first use."""
 
     def __init__(self, problem: Problem, config: dict):

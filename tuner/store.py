@@ -28,18 +28,18 @@ import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from .environment import Environment
+from . import limits
+from .status import Status
+from .stack import Stack
 from .errors import DatabaseError
 from .paths import is_shipped
 from .problem import Problem
 
 T = TypeVar("T")
 
-# Outcomes of a trial, in pipeline order. "compiled": compiled without a GPU to gate and time it.
-STATUSES = ("constraint", "pruned", "compile_error", "screen", "compiled",
-            "hang", "nan", "mismatch", "crash", "pass")
+# Outcomes of a trial, in pipeline order (the values the status column may hold).
+STATUSES = tuple(s.value for s in Status)
 SQLITE_MAGIC = b"SQLite format 3\x00"
-DEFAULT_BUSY_TIMEOUT_S = 60.0
 # PostgreSQL advisory lock held while creating tables: concurrent CREATE TABLEs of one name fail.
 SCHEMA_LOCK_KEY = zlib.crc32(b"linattn-tuner schema")
 
@@ -245,7 +245,7 @@ class TrialRecord:
     problem: Problem
     config: dict
     status: str
-    environment: Environment
+    stack: Stack
     reason: str = ""
     digest: str | None = None
     repeat_of: int | None = None
@@ -271,7 +271,7 @@ class Winner:
     """The fastest gated config of a key; ``problem``'s shape is the one it was timed at."""
 
     problem: Problem
-    environment: Environment
+    stack: Stack
     digest: str
     config: dict
     median_ms: float
@@ -299,7 +299,7 @@ class Measurement:
 
     winner_id: int
     status: str
-    environment: Environment
+    stack: Stack
     median_ms: float | None = None
     p10_ms: float | None = None
     p90_ms: float | None = None
@@ -341,12 +341,12 @@ def _problem_of(row) -> Problem:
     return Problem(**{f: getattr(row, f) for f in _PROBLEM_FIELDS})
 
 
-def _environment_of(row) -> Environment:
-    return Environment(**{f: getattr(row, f) for f in _ENV_FIELDS})
+def _stack_of(row) -> Stack:
+    return Stack(**{f: getattr(row, f) for f in _ENV_FIELDS})
 
 
 def _flat(obj, nested: dict[str, tuple[str, ...]]) -> dict:
-    """A record's fields as column values, the nested problem/environment spread out."""
+    """A record's fields as column values, the nested problem and stack spread out."""
     out = {}
     for name in obj.__dataclass_fields__:
         value = getattr(obj, name)
@@ -358,18 +358,18 @@ def _flat(obj, nested: dict[str, tuple[str, ...]]) -> dict:
 
 
 def _trial_of(row: TrialModel) -> TrialRecord:
-    plain = {f: getattr(row, f) for f in TrialRecord.__dataclass_fields__ if f not in ("problem", "environment")}
-    return TrialRecord(problem=_problem_of(row), environment=_environment_of(row), **plain)
+    plain = {f: getattr(row, f) for f in TrialRecord.__dataclass_fields__ if f not in ("problem", "stack")}
+    return TrialRecord(problem=_problem_of(row), stack=_stack_of(row), **plain)
 
 
 def _winner_of(row: WinnerModel) -> Winner:
-    plain = {f: getattr(row, f) for f in Winner.__dataclass_fields__ if f not in ("problem", "environment")}
-    return Winner(problem=_problem_of(row), environment=_environment_of(row), **plain)
+    plain = {f: getattr(row, f) for f in Winner.__dataclass_fields__ if f not in ("problem", "stack")}
+    return Winner(problem=_problem_of(row), stack=_stack_of(row), **plain)
 
 
 def _measurement_of(row: HistoryModel) -> Measurement:
-    plain = {f: getattr(row, f) for f in Measurement.__dataclass_fields__ if f != "environment"}
-    return Measurement(environment=_environment_of(row), **plain)
+    plain = {f: getattr(row, f) for f in Measurement.__dataclass_fields__ if f != "stack"}
+    return Measurement(stack=_stack_of(row), **plain)
 
 
 def _calibration_of(row: CalibrationModel) -> CalibrationPoint:
@@ -443,7 +443,7 @@ class Store:
     """
 
     def __init__(self, path_or_url: str | os.PathLike, *, readonly: bool = False,
-                 busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
+                 busy_timeout_s: float = limits.DATABASE_BUSY_S):
         self.path = sqlite_path(path_or_url)
         self.readonly = readonly
         self.busy_timeout_s = busy_timeout_s
@@ -589,7 +589,7 @@ class Store:
 
     def record_trial(self, record: TrialRecord) -> bool:
         """Insert ``record`` unless its (study, number) is already there. True if inserted."""
-        values = _flat(record, {"problem": _PROBLEM_FIELDS, "environment": _ENV_FIELDS})
+        values = _flat(record, {"problem": _PROBLEM_FIELDS, "stack": _ENV_FIELDS})
         return self.run(lambda s: _insert_ignore(s, TrialModel, values, ("study", "number")))
 
     def trials(self, study: str | None = None, digest: str | None = None) -> list[TrialRecord]:
@@ -633,7 +633,7 @@ class Store:
         """
         if gate_status != "pass":
             raise ValueError(f"a winner must have passed the gate, this one is {gate_status!r}")
-        values = _flat(winner, {"problem": _PROBLEM_FIELDS, "environment": _ENV_FIELDS})
+        values = _flat(winner, {"problem": _PROBLEM_FIELDS, "stack": _ENV_FIELDS})
         values.update(bucket_bh=winner.bucket.bh, bucket_t=winner.bucket.t, spread=winner.spread)
 
         def work(s: Session) -> Winner:
@@ -667,7 +667,7 @@ class Store:
 
     def add_measurement(self, measurement: Measurement) -> Measurement:
         """Append a re-measurement of a stored winner."""
-        values = _flat(measurement, {"environment": _ENV_FIELDS})
+        values = _flat(measurement, {"stack": _ENV_FIELDS})
 
         def work(s: Session) -> Measurement:
             row = HistoryModel(**values)

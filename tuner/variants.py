@@ -24,14 +24,14 @@ SEARCH_SPACES_DIR = ROOT / "search_spaces"
 class Variant:
     """What the rest of the tuner needs to know about one variant.
 
-    gate: the shape of the log-space decay ``g``: ``None`` (no decay), ``"head"`` ([H]),
-        ``"token"`` ([B, T, H]) or ``"channel"`` ([B, T, H, DK]).
+    decay_per: what the log-space decay ``g`` varies with, which sets its shape: ``None`` (no
+        decay), ``"head"`` ([H]), ``"token"`` ([B, T, H]) or ``"channel"`` ([B, T, H, DK]).
     delta: whether the state update is the delta rule (takes ``beta`` [B, T, H]).
     """
 
     name: str
     title: str
-    gate: str | None
+    decay_per: str | None
     delta: bool
     recurrence: str
     fla_op: str
@@ -50,10 +50,10 @@ class Variant:
 
     @property
     def per_channel(self) -> bool:
-        return self.gate == "channel"
+        return self.decay_per == "channel"
 
     def g_shape(self, B: int, T: int, H: int, DK: int) -> tuple[int, ...] | None:
-        return {None: None, "head": (H,), "token": (B, T, H), "channel": (B, T, H, DK)}[self.gate]
+        return {None: None, "head": (H,), "token": (B, T, H), "channel": (B, T, H, DK)}[self.decay_per]
 
     def check_dims(self, dk: int, dv: int) -> None:
         for label, d in (("dk", dk), ("dv", dv)):

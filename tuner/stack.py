@@ -19,7 +19,7 @@ NONE = "none"
 
 
 @dataclass(frozen=True)
-class Environment:
+class Stack:
     """One machine's stack.
 
     Args:
@@ -55,7 +55,7 @@ def has_gpu() -> bool:
 
 
 @functools.cache
-def current(device: int = 0) -> Environment:
+def current(device: int = 0) -> Stack:
     """The stack of this machine, as seen from CUDA device index ``device``."""
     import torch
 
@@ -64,7 +64,7 @@ def current(device: int = 0) -> Environment:
         gpu, arch = torch.cuda.get_device_name(device), f"sm_{major}{minor}"
     else:
         gpu, arch = NONE, NONE
-    return Environment(
+    return Stack(
         gpu=gpu,
         arch=arch,
         tilelang=_package_version("tilelang"),
