@@ -14,6 +14,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from tuner import gate, space
+from tuner.candidate import Candidate
 from tuner.problem import Problem
 from tuner.variants import VARIANTS
 
@@ -21,7 +22,7 @@ from tuner.variants import VARIANTS
 def gate_default(variant: str, dk: int, dtype: str, timeout_s: int) -> dict:
     problem = Problem(variant, dk, dk, dtype)
     config = space.load(variant).default(problem)
-    result = gate.run_gate(problem, config, timeout_s=timeout_s)
+    result = gate.run_gate(Candidate.from_config(problem, config), timeout_s=timeout_s)
     return {"variant": variant, "dk": dk, "dtype": dtype, "config": config, **result.as_dict()}
 
 

@@ -14,10 +14,10 @@ import torch
 
 from tuner import space
 from tuner.cli import parse_overrides
+from tuner.candidate import Candidate
 from tuner.compile import load_kernels
 from tuner.inputs import make_inputs
 from tuner.problem import Problem, parse_shape
-from tuner.render import render
 
 REPS = 20
 
@@ -39,7 +39,7 @@ class _Timed:
 
 def breakdown(problem: Problem, config: dict) -> dict[str, float]:
     """Mean milliseconds per forward of each kernel of ``config``."""
-    module, kernels = load_kernels(render(problem, config))
+    module, kernels = load_kernels(Candidate.from_config(problem, config))
     x = make_inputs(problem, "default", 0, torch.device("cuda"))
     for _ in range(5):  # warm-up
         module.forward(kernels, **x)

@@ -10,7 +10,7 @@
 small enough to measure whole; the searches are then run on the same sub-space.
 
 1. Compile (CPU, ``--compile-only``): every config of the pruned space and its ``num_stages = 0``
-   twin, through ``tuner.compile.compile_rendered``: the GPU steps load them from the caches.
+   twin, through ``tuner.compile.compile_candidate``: the GPU steps load them from the caches.
 2. The sweep (GPU): every config is gated by ``tuner.gate.run_gate`` (a child process with a
    watchdog each, ``--gate-jobs`` of them at once: correctness does not need the GPU alone); then
    the configs that passed are timed one after another in one child process with the GPU to
@@ -38,9 +38,10 @@ import sys
 import tempfile
 import time
 
-from tuner import model, space
+from tuner import candidate as candidates, space
+from tuner.candidate import Candidate
 from tuner.cli import name_value
-from tuner.gate import GateResult, twin_config
+from tuner.gate import GateResult
 from tuner.problem import Problem
 
 # Wall-clock limit of the timing child per config it has left to time (load + warm-up + reps).
@@ -50,8 +51,9 @@ TIME_S_PER_CONFIG = 30
 def pruned_space(problem: Problem, sp: space.Space) -> list[dict]:
     """The configs the tuner would judge on the GPU: valid, and not pruned by the register model."""
     default = sp.default(problem)
-    return [c for c in sp.grid() if not sp.violations(problem, c)
-            and (c == default or model.prune_reason(problem, c) is None)]
+    judged = ((c, candidates.check(problem, c)) for c in sp.grid())
+    return [c for c, (reasons, candidate) in judged
+            if not reasons and (c == default or candidate.prediction.prune_reason() is None)]
 
 
 def key(config: dict) -> str:
@@ -59,11 +61,9 @@ def key(config: dict) -> str:
 
 
 def _compile_with_twin(problem: Problem, config: dict) -> str:
-    from tuner.render import render
     from tuner.search import compile_for_gate
 
-    twin = twin_config(config)
-    result = compile_for_gate(render(problem, config), render(problem, twin) if twin is not None else None)
+    result = compile_for_gate(Candidate.from_config(problem, config))
     return "ok" if result["error"] is None and not result["rejected"] else "failed"
 
 
@@ -89,7 +89,7 @@ def sweep(problem: Problem, configs: list[dict], path: str, gate_jobs: int) -> d
     done = {key(r["config"]): r for r in json.load(open(path))} if os.path.exists(path) else {}
     todo = [c for c in configs if key(c) not in done]
     with cf.ThreadPoolExecutor(gate_jobs) as pool:
-        futures = {pool.submit(run_gate, problem, c, timeout_s=300): c for c in todo}
+        futures = {pool.submit(run_gate, Candidate.from_config(problem, c), timeout_s=300): c for c in todo}
         for i, future in enumerate(cf.as_completed(futures)):
             config, result = futures[future], future.result()
             done[key(config)] = {"config": config, "result": result.as_dict(), "gpu_seconds": result.seconds}
@@ -140,7 +140,6 @@ def time_worker(job_path: str, out_path: str) -> int:
 
     from tuner import bench, inputs
     from tuner.compile import load_kernels
-    from tuner.render import render
 
     with open(job_path) as f:
         job = json.load(f)
@@ -152,7 +151,7 @@ def time_worker(job_path: str, out_path: str) -> int:
             out.write(json.dumps({"event": "start", "key": key(config)}) + "\n")
             out.flush()
             start = time.perf_counter()
-            module, kernels = load_kernels(render(problem, config))
+            module, kernels = load_kernels(Candidate.from_config(problem, config))
             timing = bench.time_module(problem, module, kernels, x, device=device)
             out.write(json.dumps({"event": "timed", "key": key(config), "seconds": time.perf_counter() - start,
                                   "timing": timing}) + "\n")

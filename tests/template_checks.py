@@ -12,19 +12,19 @@ import torch
 from tuner import space
 from tuner.compile import CompileReport, build_kernels
 from tuner.problem import Problem
-from tuner.render import Rendered, render
+from tuner.candidate import Candidate
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def rendered_config(variant: str, dk: int, dtype: str = "bf16", **overrides) -> Rendered:
+def rendered_config(variant: str, dk: int, dtype: str = "bf16", **overrides) -> Candidate:
     """The variant's default config at DK = DV = dk, with ``overrides`` (the defaults of the parameters
     that ``overrides`` make apply, too)."""
     problem = Problem(variant, dk, dk, dtype)
-    return render(problem, space.load(variant).complete(problem, overrides))
+    return Candidate.from_config(problem, space.load(variant).complete(problem, overrides))
 
 
-def assert_compiles_clean(rendered: Rendered, kernels: list[str], cache_dir) -> CompileReport:
+def assert_compiles_clean(rendered: Candidate, kernels: list[str], cache_dir) -> CompileReport:
     """Every program compiles for sm_90a, in the order ``kernels``, with ptxas figures, no spills,
     no serialised wgmma (C7512), and no barrier that fewer threads reach than it waits for; returns
     the report."""
@@ -59,7 +59,7 @@ def assert_every_value_changes_source(variant: str, dk: int, param: str, **overr
     return sources
 
 
-def oracle_errors(module, kernels: dict, rendered: Rendered, regime: str, seqlen: int) -> tuple[float, float]:
+def oracle_errors(module, kernels: dict, rendered: Candidate, regime: str, seqlen: int) -> tuple[float, float]:
     """Relative L2 errors of forward()'s output and final state against ``reference.chunked`` in
     fp64 (batch 2, 3 heads, seed 1, on CUDA); asserts both are finite and within the variant's tolerance."""
     from tuner import reference

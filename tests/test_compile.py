@@ -1,4 +1,4 @@
-"""compile_rendered against real ptxas output: TileLang kernels compiled for sm_90a with nvcc.
+"""compile_candidate against real ptxas output: TileLang kernels compiled for sm_90a with nvcc.
 
 The expected figures come from the kernels' own parameters (a GEMM's pipelined tiles give its
 dynamic shared memory; warp specialisation adds a 128-thread producer warpgroup), not from a
@@ -14,21 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from tuner.compile import CompileReport, compile_rendered, kernels_dir, load_kernels
+from tuner.compile import CompileReport, compile_candidate, kernels_dir, load_kernels
 from tuner.problem import Problem
-from tuner.render import Rendered
+from tuner.candidate import Candidate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to compile for sm_90a")
 
 
-def fixture(name: str, **constants) -> Rendered:
+def fixture(name: str, **constants) -> Candidate:
     """A fixture module with some of its constants rewritten, as a template would render them."""
     src = (FIXTURES / name).read_text()
     for key, value in constants.items():
         src, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", src, flags=re.M)
         assert n == 1, key
-    return Rendered(Problem("decay", 128, 128, "fp16"), {}, src)
+    return Candidate(Problem("decay", 128, 128, "fp16"), {}, src)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemm(cache):
     rendered = fixture("gemm_kernel.py")
-    return rendered, compile_rendered(rendered, cache_dir=cache)
+    return rendered, compile_candidate(rendered, cache_dir=cache)
 
 
 def test_gemm_figures_come_from_ptxas(gemm):
@@ -66,7 +66,7 @@ def test_source_is_kept_beside_the_report(gemm, cache):
 def test_second_call_reuses_the_report_without_compiling(gemm, cache):
     rendered, first = gemm
     start = time.perf_counter()
-    again = compile_rendered(rendered, cache_dir=cache)
+    again = compile_candidate(rendered, cache_dir=cache)
     assert time.perf_counter() - start < 2.0
     assert again.cached
     assert again.as_dict() == {**first.as_dict(), "cached": True}
@@ -85,7 +85,7 @@ def test_report_is_json_and_round_trips(gemm):
 def test_spilling_config_reports_spills_and_serialised_wgmma(cache):
     # The seed kernel with the whole DV in one block: S_f alone is 128 fp32 registers a thread.
     # C7512 only reaches the log because compile drops the -w that TileLang adds in verbose mode.
-    report = compile_rendered(fixture("seed_decay_kernel.py", INLINE_WEIGHTS=True, BLOCK_DV=128), cache_dir=cache)
+    report = compile_candidate(fixture("seed_decay_kernel.py", INLINE_WEIGHTS=True, BLOCK_DV=128), cache_dir=cache)
     assert report.error is None, report.error
     (k,) = report.kernels
     assert k.spill_stores > 0 and k.spill_loads > 0 and k.stack_frame > 0 and report.spills
@@ -94,7 +94,7 @@ def test_spilling_config_reports_spills_and_serialised_wgmma(cache):
 
 
 def test_compile_failure_is_a_result(cache):
-    report = compile_rendered(fixture("gemm_kernel.py", BLOCK_K_OF_B=32), cache_dir=cache)
+    report = compile_candidate(fixture("gemm_kernel.py", BLOCK_K_OF_B=32), cache_dir=cache)
     assert not report.ok and report.kernels == []
     assert "K shape check failed: K_A = 64, K_B = 32" in report.error
     assert len(report.error) <= 4000 + 3
@@ -120,7 +120,7 @@ import sys
 from tilelang.contrib import nvcc
 from tuner.compile import build_kernels
 from tuner.problem import Problem
-from tuner.render import Rendered
+from tuner.candidate import Candidate
 
 
 def no_nvcc(*args, **kwargs):
@@ -129,7 +129,7 @@ def no_nvcc(*args, **kwargs):
 
 nvcc.compile_cuda = no_nvcc
 source, cache = open(sys.argv[1]).read(), sys.argv[2]
-report, module, kernels = build_kernels(Rendered(Problem("decay", 128, 128, "fp16"), {}, source), cache_dir=cache)
+report, module, kernels = build_kernels(Candidate(Problem("decay", 128, 128, "fp16"), {}, source), cache_dir=cache)
 print(report.cached, sorted(kernels), report.kernels[0].registers, "tl::wgmma_ss" in kernels["gemm"].get_kernel_source())
 """
 
@@ -142,9 +142,9 @@ def test_a_compiled_config_is_loaded_by_another_process_without_nvcc(tmp_path):
     env = {**__import__("os").environ, "TILELANG_CACHE_DIR": str(tmp_path / "tilelang")}
     rendered = fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128)
     (tmp_path / "source.py").write_text(rendered.source)
-    build = subprocess.run([sys.executable, "-c", "import sys; from tuner.compile import compile_rendered; "
-                            "from tuner.problem import Problem; from tuner.render import Rendered; "
-                            "r = compile_rendered(Rendered(Problem('decay', 128, 128, 'fp16'), {}, "
+    build = subprocess.run([sys.executable, "-c", "import sys; from tuner.compile import compile_candidate; "
+                            "from tuner.problem import Problem; from tuner.candidate import Candidate; "
+                            "r = compile_candidate(Candidate(Problem('decay', 128, 128, 'fp16'), {}, "
                             "open(sys.argv[1]).read()), cache_dir=sys.argv[2]); print(r.cached, r.kernels[0].registers)",
                             str(tmp_path / "source.py"), str(tmp_path)], env=env, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-2000:]
@@ -160,7 +160,7 @@ def test_a_tilelang_cache_hit_without_a_stored_report_still_gets_ptxas_figures(t
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
     rendered = fixture("gemm_kernel.py", NUM_STAGES=1)
     load_kernels(rendered, cache_dir=tmp_path)  # the kernel is now in TileLang's cache, no report stored
-    report = compile_rendered(rendered, cache_dir=tmp_path)
+    report = compile_candidate(rendered, cache_dir=tmp_path)
     assert not report.cached and report.error is None
     (k,) = report.kernels
     assert k.registers > 0 and k.dynamic_smem_bytes == 1 * (128 * 64 + 64 * 128) * 2
@@ -171,13 +171,13 @@ def test_a_kernel_shared_with_a_compiled_config_is_not_compiled_again(tmp_path, 
     from tilelang.contrib import nvcc
 
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
-    first = compile_rendered(fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128), cache_dir=tmp_path / "a")
+    first = compile_candidate(fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128), cache_dir=tmp_path / "a")
 
     def no_nvcc(*args, **kwargs):
         raise AssertionError("nvcc ran")
 
     monkeypatch.setattr(nvcc, "compile_cuda", no_nvcc)
-    again = compile_rendered(fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128), cache_dir=tmp_path / "b")
+    again = compile_candidate(fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128), cache_dir=tmp_path / "b")
     assert not again.cached and again.error is None
     assert [asdict_kernel(k) for k in again.kernels] == [asdict_kernel(k) for k in first.kernels]
 
@@ -187,7 +187,7 @@ def test_a_kernel_from_the_tilelang_cache_of_another_process_is_reported_whole(t
     # whose kernel another process compiled still reports its shared memory and threads.
     source = fixture("gemm_kernel.py", NUM_STAGES=2, THREADS=128).source
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
-    first = compile_rendered(Rendered(Problem("decay", 128, 128, "fp16"), {}, source), cache_dir=tmp_path / "a")
+    first = compile_candidate(Candidate(Problem("decay", 128, 128, "fp16"), {}, source), cache_dir=tmp_path / "a")
     child = subprocess.run([sys.executable, "-c", CHILD_COMPILE, str(tmp_path / "b")], input=source, text=True,
                            capture_output=True, timeout=600)
     assert child.returncode == 0, child.stderr
@@ -199,10 +199,10 @@ def test_a_kernel_from_the_tilelang_cache_of_another_process_is_reported_whole(t
 
 CHILD_COMPILE = """
 import json, sys
-from tuner.compile import compile_rendered
+from tuner.compile import compile_candidate
 from tuner.problem import Problem
-from tuner.render import Rendered
-report = compile_rendered(Rendered(Problem("decay", 128, 128, "fp16"), {}, sys.stdin.read()), cache_dir=sys.argv[1])
+from tuner.candidate import Candidate
+report = compile_candidate(Candidate(Problem("decay", 128, 128, "fp16"), {}, sys.stdin.read()), cache_dir=sys.argv[1])
 print(json.dumps(report.as_dict()))
 """
 

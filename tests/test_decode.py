@@ -59,15 +59,14 @@ def test_every_parameter_changes_the_code(param):
 
 
 def test_the_model_prunes_a_state_tile_that_spills_and_keeps_the_default(tmp_path):
-    from tuner import model
     from tuner.compile import build_kernels
 
     wide = rendered_config("gdn_recurrent", 128, block_dv=128, threads=64)  # 16384 fp32 over 64 threads
     report, _, _ = build_kernels(wide, cache_dir=tmp_path)
-    assert report.spills and model.prune_reason(wide.problem, wide.config) is not None
+    assert report.spills and wide.prediction.prune_reason() is not None
     default = rendered_config("gdn_recurrent", 128)
     report, _, _ = build_kernels(default, cache_dir=tmp_path)
-    assert not report.spills and model.prune_reason(default.problem, default.config) is None
+    assert not report.spills and default.prediction.prune_reason() is None
 
 
 # ---- the op wrappers, their kernel step replaced by the oracle --------------------------------------

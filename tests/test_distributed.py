@@ -40,15 +40,16 @@ def configs(problem):
 WRONG = configs(SMALL)[1]
 
 
-def fixture_gate(problem, config, *, timeout_s, device):
+def fixture_gate(candidate, *, timeout_s, device):
     """The real gate (child process, watchdog, timing) on the hand-written CPU module."""
+    from tuner.candidate import Candidate
     from tuner.gate import gate_and_time
 
-    behaviour = "wrong" if config == WRONG else "correct"
+    behaviour = "wrong" if candidate.config == WRONG else "correct"
     with open(FIXTURE) as f:
         source = f.read().replace('BEHAVIOUR = "correct"', f'BEHAVIOUR = "{behaviour}"').replace(
             'VARIANT = "decay"', 'VARIANT = "linear"')
-    return gate_and_time(problem, config, source=source, timeout_s=60, device=device, seqlens=(64,), batch=1,
+    return gate_and_time(Candidate(candidate.problem, candidate.config, source), timeout_s=60, device=device, seqlens=(64,), batch=1,
                          heads=1, seeds=(0,), rep=3, warmup_ms=1)
 
 
@@ -223,11 +224,11 @@ def test_racing_processes_create_the_tables_once_claim_once_and_keep_the_fastest
 
 PARENT = """
 import sys
-from tuner import cli, search
+from tuner import cli
 args = cli.build_parser().parse_args(["run", "--variant", "linear", "--dk", "64", "--db", sys.argv[1],
                                       "--trials", sys.argv[2], "--jobs", "1", *sys.argv[3:]])
 try:
-    sys.exit(search.tune_on_gpus(cli.problem_from(args), args, [0, 1]))
+    sys.exit(cli.tune_on_gpus(cli.problem_from(args), args, [0, 1]))
 except KeyboardInterrupt:
     sys.exit(130)
 """
@@ -298,4 +299,4 @@ def test_gpus_without_a_cuda_device_exits_2_saying_what_torch_sees(tmp_path):
 
 
 if __name__ == "__main__":
-    search.tune(SMALL, trials=int(sys.argv[2]), storage=sys.argv[1], jobs=1, progress=False, gate=fixture_gate)
+    search.tune(SMALL, trials=int(sys.argv[2]), storage=sys.argv[1], jobs=1, gate=fixture_gate)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tuner.bench import memory_floor_ms
+from tuner.candidate import Candidate
 from tuner.gate import GateResult, gate_and_time, run_gate
 from tuner.inputs import regimes_for
 from tuner.problem import Problem
@@ -37,7 +38,7 @@ def behaving(behaviour: str) -> str:
 
 
 def test_correct_module_passes_every_regime(tmp_path):
-    result = run_gate(PROBLEM, {}, source=behaving("correct"), timeout_s=TIMEOUT_S, cache_dir=tmp_path, **SMALL)
+    result = run_gate(Candidate(PROBLEM, {}, behaving("correct")), timeout_s=TIMEOUT_S, cache_dir=tmp_path, **SMALL)
     assert result.status == "pass", result.message
     assert set(result.errors) == set(regimes_for("decay"))
     for e in result.errors.values():
@@ -50,7 +51,7 @@ def test_correct_module_passes_every_regime(tmp_path):
 def test_hanging_forward_is_killed_and_reported(tmp_path):
     timeout_s = 40
     start = time.perf_counter()
-    result = run_gate(PROBLEM, {}, source=behaving("hang"), timeout_s=timeout_s, regimes=["default"],
+    result = run_gate(Candidate(PROBLEM, {}, behaving("hang")), timeout_s=timeout_s, regimes=["default"],
                       cache_dir=tmp_path, **SMALL)
     assert time.perf_counter() - start < timeout_s + 15
     assert result.status == "hang"
@@ -58,30 +59,30 @@ def test_hanging_forward_is_killed_and_reported(tmp_path):
 
 
 def test_nan_is_caught(tmp_path):
-    result = run_gate(PROBLEM, {}, source=behaving("nan"), timeout_s=TIMEOUT_S, regimes=["default"],
+    result = run_gate(Candidate(PROBLEM, {}, behaving("nan")), timeout_s=TIMEOUT_S, regimes=["default"],
                       cache_dir=tmp_path, **SMALL)
     assert result.status == "nan" and "o" in result.message
     assert math.isnan(result.errors["default"]["o"]) and result.errors["default"]["final_state"] < 1e-6
 
 
 def test_wrong_values_mismatch_and_tolerance_is_overridable(tmp_path):
-    result = run_gate(PROBLEM, {}, source=behaving("wrong"), timeout_s=TIMEOUT_S, regimes=["default"],
+    result = run_gate(Candidate(PROBLEM, {}, behaving("wrong")), timeout_s=TIMEOUT_S, regimes=["default"],
                       cache_dir=tmp_path, **SMALL)
     assert result.status == "mismatch" and f"above {PROBLEM.tolerance:g}" in result.message
     assert 0.045 < result.errors["default"]["o"] < 0.055  # o scaled by 1.05
-    loose = run_gate(PROBLEM, {}, source=behaving("wrong"), timeout_s=TIMEOUT_S, regimes=["default"],
+    loose = run_gate(Candidate(PROBLEM, {}, behaving("wrong")), timeout_s=TIMEOUT_S, regimes=["default"],
                      tolerance=0.1, cache_dir=tmp_path, **SMALL)
     assert loose.status == "pass"
 
 
 def test_dying_child_is_a_crash(tmp_path):
-    result = run_gate(PROBLEM, {}, source=behaving("crash"), timeout_s=TIMEOUT_S, regimes=["default"],
+    result = run_gate(Candidate(PROBLEM, {}, behaving("crash")), timeout_s=TIMEOUT_S, regimes=["default"],
                       cache_dir=tmp_path, **SMALL)
     assert result.status == "crash" and "exited with code 3" in result.message
 
 
 def test_compile_error_is_reported_with_the_message(tmp_path):
-    result = run_gate(PROBLEM, {}, source=source("gemm_kernel.py", BLOCK_K_OF_B=32), timeout_s=TIMEOUT_S,
+    result = run_gate(Candidate(PROBLEM, {}, source("gemm_kernel.py", BLOCK_K_OF_B=32)), timeout_s=TIMEOUT_S,
                       cache_dir=tmp_path, **SMALL)
     assert result.status == "compile_error"
     assert "K shape check failed: K_A = 64, K_B = 32" in result.message
@@ -89,7 +90,7 @@ def test_compile_error_is_reported_with_the_message(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to compile for sm_90a")
 def test_screen_rejects_before_running(tmp_path):
-    result = run_gate(Problem("decay", 128, 128, "fp16"), {}, source=source("seed_decay_kernel.py"),
+    result = run_gate(Candidate(Problem("decay", 128, 128, "fp16"), {}, source("seed_decay_kernel.py")),
                       timeout_s=TIMEOUT_S, cache_dir=tmp_path, **SMALL)
     assert result.status == "screen"
     assert "barrier for 128 threads inside a branch entered by 64 threads" in result.message
@@ -100,7 +101,7 @@ def test_gate_and_time_fills_the_timing(tmp_path):
     # One gate, timed at the problem's shape and at two more: one 16 times larger, one that no
     # memory can hold (its failure is that shape's outcome only).
     larger, too_large = "2x512x4", "4096x1048576x64"
-    result = gate_and_time(PROBLEM, {}, source=behaving("correct"), timeout_s=TIMEOUT_S, regimes=["default"],
+    result = gate_and_time(Candidate(PROBLEM, {}, behaving("correct")), timeout_s=TIMEOUT_S, regimes=["default"],
                            also_at=(larger, too_large), warmup_ms=1, rep=3, cache_dir=tmp_path, **SMALL)
     assert result.status == "pass", result.message
     t, at = result.timing, result.timing_at
@@ -119,6 +120,6 @@ def test_rendered_default_config_passes_on_the_gpu(tmp_path):
 
     problem = Problem("decay", 128, 128, "bf16")
     config = space.load("decay").default(problem)
-    result = gate_and_time(problem, config, timeout_s=600, cache_dir=tmp_path)
+    result = gate_and_time(Candidate.from_config(problem, config), timeout_s=600, cache_dir=tmp_path)
     assert result.status == "pass", result.message
     assert result.timing["device"] == "cuda" and result.timing["median_ms"] > result.timing["floor_ms"]

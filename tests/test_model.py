@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner import model
+from tuner import calibration, model
 
 DATA = Path(__file__).parent / "data"
 # One record per compiled source; calibration_layouts.json adds per-buffer offsets to a few.
@@ -74,7 +74,7 @@ def test_parser_reads_the_buffers_of_a_small_kernel():
     assert model.shared_memory_plan(kernel)[0] == 2 * (8192 + 8192 + 4096) + 4096 + 4096
     # Per thread over 128 threads: S_f 16 + acc_o 16 + A 32 + A_cast 16 (bf16, two per register),
     # all live at the cast of the scores.
-    assert model.fragment_registers(kernel) == 80
+    assert kernel.live_registers == 80
     # TMA loads only: TileLang adds a 128-thread producer and caps the consumers with setmaxnreg.
     assert kernel.setmaxnreg and kernel.launch_threads == 256
     assert model.predict_kernel(kernel, model.terms("linear")).budget == model.WS_CONSUMER_REGISTERS
@@ -90,7 +90,7 @@ def test_a_local_array_counts_only_while_it_is_live():
     kernel = parsed(record, "chunk_wu")
     x_col = next(b for b in kernel.buffers if b.name == "x_col")
     assert (x_col.scope, x_col.shape) == ("local", (64,))
-    assert model.fragment_registers(kernel) == 64 + 64 + 16
+    assert kernel.live_registers == 64 + 64 + 16
     # x_col's last use ends before W_f's first: they never count together.
     assert kernel.live["x_col"][1] < kernel.live["W_f"][0]
 
@@ -113,8 +113,8 @@ def test_the_pipeline_term_applies_where_the_block_issues_its_own_loads():
 def test_spill_prediction_meets_the_goal(variant):
     """Per config: pruned yet clean (false prune) at most 5%, kept yet spilling at most 10%.
     The terms were fitted to these records (docs/model.md): a regression check, in sample."""
-    observations = model.recorded_observations([r for r in RECORDS if r["variant"] == variant])
-    result = model.accuracy(observations, model.terms(variant))
+    observations = calibration.recorded_observations([r for r in RECORDS if r["variant"] == variant])
+    result = calibration.accuracy(observations, model.terms(variant))
     assert result.false_prunes <= 0.05 * result.configs
     assert result.missed_spills <= 0.10 * result.configs
 
@@ -125,13 +125,13 @@ def test_spill_goal_holds_out_of_sample(variant):
     templates; each config predicted with terms fitted to the others (leave-one-out) gives
     false prunes at most 5% and missed spills at most 10%."""
     records = [r for r in RECORDS if r["variant"] == variant and r["dk"] == r["dv"] == 128]
-    observations = model.recorded_observations(records)
+    observations = calibration.recorded_observations(records)
     digests = sorted({o.digest for o in observations})
     assert len(digests) >= 40
     false_prunes = missed = 0
     for digest in digests:
-        fitted = model.fit([o for o in observations if o.digest != digest])
-        result = model.accuracy([o for o in observations if o.digest == digest], fitted)
+        fitted = calibration.fit([o for o in observations if o.digest != digest])
+        result = calibration.accuracy([o for o in observations if o.digest == digest], fitted)
         false_prunes += result.false_prunes
         missed += result.missed_spills
     assert false_prunes <= 0.05 * len(digests)
@@ -164,9 +164,9 @@ def test_fit_recovers_a_known_demand():
     for i, kernel in enumerate(kernels):
         demand = model.predict_kernel(kernel, truth)
         registers = min(demand.registers, demand.budget - 1)
-        observations.append(model.Observation(str(i), {}, kernel, registers, 64 * demand.spills, False, None))
-    fitted = model.fit(observations)
+        observations.append(calibration.Observation(str(i), {}, kernel, registers, 64 * demand.spills, False, None))
+    fitted = calibration.fit(observations)
     assert fitted["fragment_scale"] == pytest.approx(1.5, abs=0.02)
     assert fitted["overhead"] == pytest.approx(20.0, abs=2.0)
-    result = model.accuracy(observations, fitted)
+    result = calibration.accuracy(observations, fitted)
     assert result.false_prunes == result.missed_spills == 0

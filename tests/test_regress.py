@@ -132,18 +132,19 @@ def test_without_a_gpu_regress_says_so_and_points_to_replay(tmp_path):
 @pytest.mark.skipif(not stack.has_gpu(), reason="needs a CUDA device")
 def test_regress_re_times_a_real_winner_and_appends_to_its_history(tmp_path):
     from tuner import space
+    from tuner.candidate import Candidate
     from tuner.gate import gate_and_time
-    from tuner.render import render
 
     problem = Problem("linear", 64, 64, batch=1, seqlen=1024, heads=4)
     config = space.load("linear").default(problem)
-    tuned = gate_and_time(problem, config, timeout_s=300, device=0)
+    candidate = Candidate.from_config(problem, config)
+    tuned = gate_and_time(candidate, timeout_s=300, device=0)
     assert tuned.status == "pass", tuned.message
     t = tuned.timing
     env = stack.current(0)
     db = tmp_path / "r.db"
     store = Store(db)
-    w = store.write_winner(Winner(problem, env, render(problem, config).digest, config, t["median_ms"], t["p10_ms"],
+    w = store.write_winner(Winner(problem, env, candidate.digest, config, t["median_ms"], t["p10_ms"],
                                   t["p90_ms"], tuned.errors, "study", 0), "pass")
     out = run_tune("regress", "--db", str(db))
     assert out.returncode in (0, 1), out.stderr
@@ -169,23 +170,23 @@ def test_winners_of_one_kernel_at_several_shapes_are_gated_once_and_each_timed_a
     from pathlib import Path
 
     from tuner import gate, regress, space
-    from tuner.render import render
+    from tuner.candidate import Candidate
 
     monkeypatch.setattr(stack, "has_gpu", lambda: True)
     monkeypatch.setattr(stack, "current", lambda device=0: H200)
     source = (Path(__file__).parent / "fixtures" / "torch_forward.py").read_text()  # the correct decay module
     real, calls = gate.gate_and_time, []
 
-    def cpu_gate_and_time(problem, config, *, also_at=(), timeout_s, device):
-        calls.append((problem.shape, config["num_stages"], also_at))
-        return real(problem, config, also_at=also_at, source=source, timeout_s=120, device=device, regimes=["default"],
-                    seqlens=(64,), batch=1, heads=1, seeds=(0,), rep=3, warmup_ms=1)
+    def cpu_gate_and_time(candidate, *, also_at=(), timeout_s, device):
+        calls.append((candidate.problem.shape, candidate.config["num_stages"], also_at))
+        return real(Candidate(candidate.problem, candidate.config, source), also_at=also_at, timeout_s=120,
+                    device=device, regimes=["default"], seqlens=(64,), batch=1, heads=1, seeds=(0,), rep=3, warmup_ms=1)
 
     monkeypatch.setattr(gate, "gate_and_time", cpu_gate_and_time)
     small, large, other = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2), "2x1024x2", "1x256x1"
     one, two = (space.load("decay").complete(small, {"num_stages": n}) for n in (2, 1))
     store = Store(tmp_path / "r.db")
-    written = [store.write_winner(Winner(p, env, render(p, config).digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
+    written = [store.write_winner(Winner(p, env, Candidate.from_config(p, config).digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
                for p, config, env in ((small, one, H200), (small.at(large), one, H200), (small, two, H200),
                                       (small.at(other), one, H200),
                                       (small.at(other), two, replace(H200, gpu="NVIDIA H100")))]

@@ -17,7 +17,8 @@ import pytest
 
 from tuner import paths, space, variants
 from tuner.problem import Problem
-from tuner.render import render, render_unchecked
+from tuner.candidate import Candidate
+from tuner.render import render
 from tuner.store import Store
 
 RECORD = Path(__file__).parent / "data" / "render_digests.json"
@@ -34,7 +35,7 @@ def grid_digests(variant: str) -> dict[str, str]:
         for config in sp.grid():
             h = out.setdefault(f"{dk}/{config.get('split', '-')}", hashlib.sha256())
             h.update(json.dumps(config, sort_keys=True).encode())
-            h.update(render_unchecked(problem, config).encode())
+            h.update(render(problem, config).encode())
     return {key: h.hexdigest() for key, h in out.items()}
 
 
@@ -47,7 +48,7 @@ def test_every_shipped_winner_renders_to_its_stored_digest():
     winners = Store(paths.SHIPPED_DB, readonly=True).winners()
     assert winners
     for w in winners:
-        assert render(w.problem, w.config).digest == w.digest, (w.problem, w.config)
+        assert Candidate.from_config(w.problem, w.config).digest == w.digest, (w.problem, w.config)
 
 
 @pytest.mark.slow

@@ -163,13 +163,13 @@ def seed_kernel(**constants) -> str:
 
 
 def compile_source(source, tmp_path):
-    """Compile a fixture's source text (or a Rendered) for sm_90a; the report."""
+    """Compile a fixture's source text (or a Candidate) for sm_90a; the report."""
     from tuner.compile import build_kernels
     from tuner.problem import Problem
-    from tuner.render import Rendered
+    from tuner.candidate import Candidate
 
     if isinstance(source, str):
-        source = Rendered(Problem("decay", 128, 128, "fp16"), {"threads": 128}, source)
+        source = Candidate(Problem("decay", 128, 128, "fp16"), {"threads": 128}, source)
     report, _, _ = build_kernels(source, cache_dir=tmp_path)
     assert report.error is None, report.error
     return report

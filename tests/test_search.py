@@ -15,8 +15,10 @@ import optuna
 import pytest
 
 from tuner import space
+from tuner.candidate import violations
 from tuner.problem import Problem
 
+import search_doubles
 from sqlite_lock import LOCK_HOLDER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,15 +245,16 @@ BEHAVIOURS = [(space.load("linear").complete(SMALL, change), behaviour) for chan
     ({"num_stages": 2}, "hang"), ({"num_stages": 1}, "nan"), ({"num_stages": 0}, "correct"))]
 
 
-def fixture_gate(problem, config, *, timeout_s, device, also_at=()):
+def fixture_gate(candidate, *, timeout_s, device, also_at=()):
     """The real gate (child process, watchdog) on the hand-written CPU module instead of the kernel."""
+    from tuner.candidate import Candidate
     from tuner.gate import gate_and_time
 
-    behaviour = next(b for c, b in BEHAVIOURS if c == config)
+    behaviour = next(b for c, b in BEHAVIOURS if c == candidate.config)
     with open(FIXTURE) as f:
         source = f.read().replace('BEHAVIOUR = "correct"', f'BEHAVIOUR = "{behaviour}"').replace(
             'VARIANT = "decay"', 'VARIANT = "linear"')
-    return gate_and_time(problem, config, source=source, timeout_s=15, device=device, seqlens=(64,), batch=1,
+    return gate_and_time(Candidate(candidate.problem, candidate.config, source), timeout_s=15, device=device, seqlens=(64,), batch=1,
                          heads=1, seeds=(0,), rep=3, warmup_ms=1, also_at=also_at)
 
 
@@ -260,27 +263,21 @@ def refusing_gate(gated: list, seconds: float = 0):
     (for tests that look at what reaches the GPU, not at kernels)."""
     from tuner.gate import GateResult
 
-    def gate(problem, config, *, timeout_s, device):
-        gated.append(config)
+    def gate(candidate, *, timeout_s, device):
+        gated.append(candidate.config)
         time.sleep(seconds)
         return GateResult("mismatch", message="not run: the test looks at what reaches the gate")
 
     return gate
 
 
-def empty_module(config) -> str:
-    """A module without programs, its own for each config (so its own digest): nothing to compile."""
-    return f"def programs():\n    return []\n# {config}\n"
-
-
-def without_kernels(monkeypatch, tmp_path):
-    """The tuner renders every config as :func:`empty_module`: its loop runs with nothing to compile,
-    for tests that look at the search rather than at kernels."""
-    from tuner import search
-    from tuner.render import Rendered
+def without_kernels(monkeypatch, tmp_path, compile=search_doubles.compile_nothing):
+    """The tuner's compile step is ``compile`` (a compile that succeeds at once with no kernels): its
+    loop runs with nothing to compile, for tests that look at the search rather than at kernels."""
+    from tuner.search import compiling
 
     monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(problem, config, empty_module(config)))
+    monkeypatch.setattr(compiling, "compile_for_gate", compile)
 
 
 def enqueue(db, problem, configs):
@@ -302,7 +299,7 @@ def test_a_hang_and_a_nan_are_recorded_and_the_study_carries_on_to_a_winner(tmp_
     monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
     db = tmp_path / "results.db"
     name = enqueue(db, SMALL, [c for c, _ in BEHAVIOURS])
-    summary = search.tune(SMALL, trials=3, db=str(db), jobs=2, progress=False, gate=fixture_gate)
+    summary = search.tune(SMALL, trials=3, db=str(db), jobs=2, gate=fixture_gate)
 
     by_stages = {r.config["num_stages"]: r for r in Store(db).trials()}
     hang, nan, good = (by_stages[c["num_stages"]] for c, _ in BEHAVIOURS)
@@ -327,7 +324,7 @@ def test_each_kernel_judged_is_recorded_at_every_also_at_shape_with_its_timing_a
     enqueue(db, SMALL, [nan, good])
     larger = "2x1024x4"  # 64 times the tokens of SMALL
     for _ in range(2):  # the second run resumes: nothing new is judged or recorded
-        summary = search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False, gate=fixture_gate,
+        summary = search.tune(SMALL, trials=2, db=str(db), jobs=2, gate=fixture_gate,
                               also_at=(larger,))
 
     records = Store(db).trials()
@@ -364,11 +361,11 @@ def test_a_config_that_breaks_a_constraint_is_followed_by_the_nearest_valid_one(
     refused = {**space.load("linear").default(SMALL), "threads": 256}
     name = enqueue(db, SMALL, [refused])
     gated = []
-    search.tune(SMALL, trials=1, db=str(db), jobs=1, progress=False, gate=refusing_gate(gated))
+    search.tune(SMALL, trials=1, db=str(db), jobs=1, gate=refusing_gate(gated))
 
     first, second = Store(db).trials()
     assert (first.config, first.status, second.status) == (refused, "constraint", "mismatch")
-    assert space.load("linear").violations(SMALL, second.config) == [] and gated == [second.config]
+    assert violations(SMALL, second.config) == [] and gated == [second.config]
     assert [k for k in refused if refused[k] != second.config[k]] in (["threads"], ["scores_in"])  # one change
     trials = optuna.load_study(study_name=name, storage=f"sqlite:///{db}").trials
     assert [t.params for t in trials] == [refused, second.config] and trials[0].constraints == {"space": 1.0}
@@ -387,24 +384,25 @@ def test_a_trial_another_worker_took_for_lost_is_recorded_and_the_study_carries_
     db = tmp_path / "results.db"
     refuse, gated = refusing_gate([]), []
 
-    def gate_whose_trial_is_taken(problem, config, *, timeout_s, device):
+    def gate_whose_trial_is_taken(candidate, *, timeout_s, device):
         if not gated:  # the other worker's recover(): every RUNNING trial failed and re-proposed
             study = optuna.load_study(study_name=optuna.get_all_study_names(f"sqlite:///{db}")[0],
                                       storage=f"sqlite:///{db}")
             for trial in study.get_trials(states=(TrialState.RUNNING,)):
                 study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
                 study.enqueue_trial(trial.params)
-        gated.append(config)
-        return refuse(problem, config, timeout_s=timeout_s, device=device)
+        gated.append(candidate.config)
+        return refuse(candidate, timeout_s=timeout_s, device=device)
 
-    summary = search.tune(SMALL, trials=2, db=str(db), jobs=1, progress=False, gate=gate_whose_trial_is_taken)
+    summary = search.tune(SMALL, trials=2, db=str(db), jobs=1, gate=gate_whose_trial_is_taken)
 
     records = Store(db).trials(summary.study)
     first = next(r for r in records if r.config == gated[0])
     assert first.status == "mismatch" and first.repeat_of is None  # the outcome of the taken trial, kept
     assert any(r.repeat_of == first.number for r in records)  # the re-proposal found it, not judged again
-    # the study went on to --trials kernels beside the failed trial, none judged twice
-    assert len(gated) == len({json.dumps(c, sort_keys=True) for c in gated}) >= 3
+    # the study went on to --trials kernels judged (the taken trial's among them: its row is the
+    # judgement), none judged twice
+    assert len(gated) == len({json.dumps(c, sort_keys=True) for c in gated}) == 2
     states = {t.number: t.state for t in optuna.load_study(study_name=summary.study, storage=f"sqlite:///{db}").trials}
     assert states[first.number] == TrialState.FAIL and TrialState.RUNNING not in states.values()
 
@@ -429,7 +427,7 @@ def test_a_trial_failed_by_another_worker_inside_ask_is_left_to_it(tmp_path, mon
         return trial
 
     monkeypatch.setattr(optuna.Study, "ask", ask_whose_first_trial_is_taken)
-    summary = search.tune(SMALL, trials=2, db=str(db), jobs=1, progress=False, gate=refusing_gate([]))
+    summary = search.tune(SMALL, trials=2, db=str(db), jobs=1, gate=refusing_gate([]))
 
     records = Store(db).trials(summary.study)
     assert taken == [0] and 0 not in {r.number for r in records}
@@ -445,7 +443,7 @@ def test_a_seed_makes_the_sampled_configs_reproducible(tmp_path, monkeypatch):
 
     def sampled(db, seed):
         """The configs in the order they were asked (rows are recorded as compiles finish)."""
-        search.tune(SMALL, trials=6, db=str(tmp_path / db), jobs=1, progress=False, gate=refusing_gate([]), seed=seed)
+        search.tune(SMALL, trials=6, db=str(tmp_path / db), jobs=1, gate=refusing_gate([]), seed=seed)
         return [r.config for r in sorted(Store(tmp_path / db).trials(), key=lambda r: r.number)]
 
     first, again, other = sampled("a.db", 7), sampled("b.db", 7), sampled("c.db", 8)
@@ -462,14 +460,14 @@ def test_a_search_space_whose_values_changed_continues_in_a_study_of_its_own(tmp
 
     without_kernels(monkeypatch, tmp_path)
     db = tmp_path / "results.db"
-    before = search.tune(SMALL, trials=2, db=str(db), jobs=1, progress=False, gate=refusing_gate([]))
+    before = search.tune(SMALL, trials=2, db=str(db), jobs=1, gate=refusing_gate([]))
     kept = [(r.number, r.status) for r in Store(db).trials(before.study)]
 
     sp = space.load("linear")
     widened = replace(sp, params={**sp.params, "threads": replace(sp.params["threads"], values=(128, 256, 384))})
     monkeypatch.setattr(search.spaces, "load", lambda variant: widened)
     for _ in range(2):  # Optuna refuses other values for a parameter within one study; resuming finds the new one
-        after = search.tune(SMALL, trials=3, db=str(db), jobs=1, progress=False, gate=refusing_gate([]))
+        after = search.tune(SMALL, trials=3, db=str(db), jobs=1, gate=refusing_gate([]))
         assert after.study == f"{before.study}~{widened.digest()}"
     assert capsys.readouterr().out.count("values of threads") == 2
     assert [(r.number, r.status) for r in Store(db).trials(before.study)] == kept  # the old study is left as it was
@@ -501,8 +499,8 @@ def test_compile_failures_are_recorded_and_never_gated(tmp_path, monkeypatch):
     db = tmp_path / "results.db"
     enqueue(db, SMALL, [c for c, _ in BEHAVIOURS[:2]])
     gated = []
-    summary = search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False,
-                          gate=lambda *a, **k: gated.append(a))
+    summary = search.tune(SMALL, trials=2, db=str(db), jobs=2,
+                          gate=lambda *a, **k: gated.append(a))  # never called
     records = Store(db).trials()
     assert [r.status for r in records] == ["compile_error"] * 2 and "nvcc" in records[0].reason
     assert gated == [] and summary.winner is None and Store(db).winners() == []
@@ -515,7 +513,7 @@ def test_fixed_parameters_hold_in_every_trial_of_a_study_of_their_own(tmp_path, 
 
     monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
     gated = []
-    summary = search.tune(SMALL, trials=3, db=str(tmp_path / "r.db"), jobs=2, progress=False,
+    summary = search.tune(SMALL, trials=3, db=str(tmp_path / "r.db"), jobs=2,
                           gate=refusing_gate(gated), fixed={"num_stages": "0", "block_dv": "32"})
     assert summary.study.endswith(f"+num_stages=0+block_dv=32@{search.stack.current().key()}")
     records = Store(tmp_path / "r.db").trials()
@@ -533,7 +531,7 @@ def test_the_default_is_asked_with_its_inherited_parameters_stated_and_configs_a
 
     without_kernels(monkeypatch, tmp_path)
     db = tmp_path / "r.db"
-    summary = search.tune(SMALL, trials=4, db=str(db), jobs=1, progress=False, gate=refusing_gate([]),
+    summary = search.tune(SMALL, trials=4, db=str(db), jobs=1, gate=refusing_gate([]),
                           fixed={"split": "chunked"}, seed=3)
     default = space.load("linear").complete(SMALL, {"split": "chunked"})
     assert "block_dv_o" not in default  # it inherits block_dv
@@ -548,22 +546,17 @@ def test_the_default_is_asked_with_its_inherited_parameters_stated_and_configs_a
 @pytest.mark.slow
 def test_a_compile_that_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeypatch):
     from tuner import limits, search
-    from tuner.render import Rendered
     from tuner.store import Store
 
-    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(limits, "COMPILE_S", 5.0)
     stuck, fine = (c for c, _ in BEHAVIOURS[:2])
-    # Modules whose programs() the compile process calls: the stuck config's never returns, the
-    # others (its twin included) have nothing to compile.
-    hanging = "import time\n\n\ndef programs():\n    time.sleep(3600)\n"
-    monkeypatch.setattr(search, "render", lambda problem, config: Rendered(
-        problem, config, hanging if config == stuck else empty_module(config)))
+    assert stuck["num_stages"] == 2  # the stuck config's compile never returns, the other's at once
+    without_kernels(monkeypatch, tmp_path, compile=search_doubles.compile_stuck_at_two_stages)
     db = tmp_path / "results.db"
     enqueue(db, SMALL, [stuck, fine])
     gated = []
     start = time.monotonic()
-    search.tune(SMALL, trials=2, db=str(db), jobs=2, progress=False, gate=refusing_gate(gated))
+    search.tune(SMALL, trials=2, db=str(db), jobs=2, gate=refusing_gate(gated))
     by_stages = {r.config["num_stages"]: r for r in Store(db).trials()}
     assert by_stages[2].status == "hang" and "compile still running after 5 s" in by_stages[2].reason
     assert by_stages[1].status == "mismatch" and gated == [fine]
@@ -583,7 +576,7 @@ def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tm
     name = enqueue(db, SMALL, [*others, default])  # the default asked last
     gated = []
     start = time.monotonic()
-    search.tune(SMALL, timeout=2, db=str(db), jobs=4, progress=False, gate=refusing_gate(gated, seconds=4))
+    search.tune(SMALL, timeout=2, db=str(db), jobs=4, gate=refusing_gate(gated, seconds=4))
     # The deadline, the gate in progress and the default's (kept as the baseline), not the whole queue.
     assert time.monotonic() - start < 2 + 2 * 4 + 10
     # The gate in progress at the deadline, if any (a slow start leaves none), then the default.

@@ -1,10 +1,11 @@
 """Search spaces: every variant's file loads, its defaults are valid, and broken configs are refused
-with their reason before a kernel is rendered."""
+with their reason before a kernel is rendered; the measures of a rendered kernel come from the caller."""
 import random
 
 import pytest
 
 from tuner import model, space, variants
+from tuner.candidate import Candidate, violations
 from tuner.errors import ConstraintError, UserError
 from tuner.problem import Problem
 from tuner.render import render
@@ -17,7 +18,7 @@ ALL = list(variants.VARIANTS)
 def test_default_config_is_valid_and_documented(variant, dim):
     sp = space.load(variant)
     problem = Problem(variant, dim, dim)
-    assert sp.violations(problem, sp.default(problem)) == []
+    assert violations(problem, sp.default(problem)) == []
     for p in sp.params.values():
         assert p.doc, f"{variant}.{p.name} has no doc"
 
@@ -27,7 +28,7 @@ def test_block_dv_not_dividing_dv_is_refused_with_its_reason(variant):
     problem = Problem(variant, 128, 64)
     config = space.load(variant).complete(problem, {"block_dv": "128"})
     with pytest.raises(ConstraintError, match="block_dv"):
-        render(problem, config)
+        Candidate.from_config(problem, config)
 
 
 def test_config_over_the_shared_memory_limit_is_refused():
@@ -35,9 +36,27 @@ def test_config_over_the_shared_memory_limit_is_refused():
     sp = space.load("decay")
     config = sp.complete(problem, {"num_stages": "4", "warp_specialized": "true", "qk_in": "shared",
                                    "decay_in": "shared", "block_dv": "64"})
-    assert model.shared_memory_bytes(problem, config) > space.SMEM_LIMIT
+    assert model.shared_memory_bytes(model.parse_kernels(render(problem, config))) > space.SMEM_LIMIT
     with pytest.raises(ConstraintError, match="shared memory"):
-        render(problem, config)
+        Candidate.from_config(problem, config)
+
+
+def test_the_measures_are_asked_for_only_when_the_other_constraints_pass_and_needed():
+    problem = Problem("decay", 128, 128)
+    sp = space.load("decay")
+    asked = []
+
+    def measures():
+        asked.append(1)
+        return {"smem_bytes": space.SMEM_LIMIT + 1}
+
+    cheap_break = {**sp.default(problem), "warp_specialized": False, "num_stages": 2}
+    assert sp.violations(problem, cheap_break, measures) and not asked
+    assert sp.violations(problem, sp.default(problem), measures) == [
+        "the shared memory of the config must fit one block's limit on sm_90 (smem_bytes <= smem_limit)"]
+    assert asked == [1]
+    with pytest.raises(ValueError, match="needs smem_bytes"):
+        sp.violations(problem, sp.default(problem))
 
 
 def test_overrides_are_coerced_and_unknown_names_refused():
@@ -59,7 +78,8 @@ def test_fix_holds_parameters_at_one_value_and_leaves_the_rest():
     grid = held.grid()
     assert {(c["split"], c["block_dv"]) for c in grid} == {("chunked", 64)}
     assert {c["solve"] for c in grid} == set(sp.params["solve"].values)  # the rest still varies
-    assert held.violations(problem, {**held.default(problem), "block_dv": 32})  # outside the held space
+    assert violations(problem, {**held.default(problem), "block_dv": 32}) == []  # valid in the whole space,
+    assert held.violations(problem, {**held.default(problem), "block_dv": 32})  # but outside the held one
     assert sp.fix({}) == sp and sp.params["block_dv"].values == (16, 32, 64, 128)  # the loaded space is untouched
     with pytest.raises(UserError, match="unknown parameter 'bogus'"):
         sp.fix({"bogus": "1"})
@@ -72,11 +92,12 @@ def test_a_refused_config_is_steered_to_a_valid_one_with_the_fewest_changes():
     sp = space.load("gdn")
     default = sp.default(problem)
     # 256 threads break a constraint that only going back to 128 threads repairs in one change.
-    assert sp.nearest_valid(problem, {**default, "threads": 256}, random.Random(0)) == default
+    valid = lambda c: not violations(problem, c)  # noqa: E731
+    assert sp.nearest_valid({**default, "threads": 256}, random.Random(0), valid) == default
     # Fused, warp-specialised, two stages: the one valid config a single change away is chunked.
     refused = {**default, "split": "fused", "warp_specialized": True, "num_stages": 2}
-    assert sp.violations(problem, refused)
-    assert sp.nearest_valid(problem, refused, random.Random(0)) == {**refused, "split": "chunked"}
+    assert violations(problem, refused)
+    assert sp.nearest_valid(refused, random.Random(0), valid) == {**refused, "split": "chunked"}
 
 
 def test_ties_among_the_nearest_valid_configs_are_drawn_at_random():
@@ -84,8 +105,9 @@ def test_ties_among_the_nearest_valid_configs_are_drawn_at_random():
     sp = space.load("linear")
     # Two stages without warp specialisation: warp specialisation on, or 0 or 1 stage, mends it.
     refused = {**sp.default(problem), "warp_specialized": False, "num_stages": 2}
-    assert sp.violations(problem, refused)
-    drawn = {tuple(sorted(sp.nearest_valid(problem, refused, random.Random(seed)).items())) for seed in range(40)}
+    assert violations(problem, refused)
+    valid = lambda c: not violations(problem, c)  # noqa: E731
+    drawn = {tuple(sorted(sp.nearest_valid(refused, random.Random(seed), valid).items())) for seed in range(40)}
     assert drawn == {tuple(sorted({**refused, **change}.items()))
                      for change in ({"warp_specialized": True}, {"num_stages": 0}, {"num_stages": 1})}
 
@@ -93,7 +115,7 @@ def test_ties_among_the_nearest_valid_configs_are_drawn_at_random():
 def test_nearest_valid_is_none_when_nothing_in_the_space_is_valid():
     problem = Problem("linear", 64, 64)
     sp = space.load("linear").fix({"warp_specialized": "false", "num_stages": "2"})
-    assert sp.nearest_valid(problem, sp.default(problem), random.Random(0)) is None
+    assert sp.nearest_valid(sp.default(problem), random.Random(0), lambda c: not sp.violations(problem, c)) is None
 
 
 def test_an_inherited_parameter_is_stated_only_where_it_differs():
@@ -103,10 +125,11 @@ def test_an_inherited_parameter_is_stated_only_where_it_differs():
     assert "block_dv_o" not in default and sp.params["block_dv_o"].inherit == "block_dv"
     # One canonical form: stating the inherited value is the same config and the same kernel.
     assert sp.normalise({**default, "block_dv_o": 32}) == default
-    assert render(problem, {**default, "block_dv_o": 32}).digest == render(problem, default).digest
+    digest = lambda c: Candidate.from_config(problem, c).digest  # noqa: E731
+    assert digest({**default, "block_dv_o": 32}) == digest(default)
     wider = {**default, "block_dv_o": 128}
-    assert sp.normalise(wider) == wider and sp.violations(problem, wider) == []
-    assert render(problem, wider).digest != render(problem, default).digest
+    assert sp.normalise(wider) == wider and violations(problem, wider) == []
+    assert digest(wider) != digest(default)
     # What the search is told: every inherited parameter that applies, at its value.
     assert sp.stated(default) == {**default, "block_dv_o": 32} and sp.stated(wider) == wider
     fused = {**sp.default(problem), "split": "fused"}
@@ -114,7 +137,7 @@ def test_an_inherited_parameter_is_stated_only_where_it_differs():
     chunked = [c for c in sp.grid() if c["split"] == "chunked"]
     assert all(c.get("block_dv_o") != c["block_dv"] for c in chunked)
     assert len(chunked) == 4 * len({tuple((k, v) for k, v in c.items() if k != "block_dv_o") for c in chunked})
-    assert sp.violations(Problem("gdn", 64, 64), wider) == [
+    assert violations(Problem("gdn", 64, 64), wider) == [
         "block_dv_o must divide DV: the output kernel's grid has DV / block_dv_o column blocks (dv % block_dv_o == 0)"]
     with pytest.raises(UserError, match="not one of"):
         sp.complete(problem, {"block_dv_o": "48"})

@@ -12,11 +12,11 @@ import pytest
 from template_checks import (assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors,
                              rendered_config)
 
-from tuner import model, space
+from tuner import space
 from tuner.compile import load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
-from tuner.render import render
+from tuner.candidate import Candidate
 
 CHANNEL = ("gla", "kda")
 # (variant, split, the programs in launch order)
@@ -66,7 +66,7 @@ def test_pre_seq_compiles_clean_and_the_model_knows_its_shared_memory(variant, d
     rendered = rendered_config(variant, dk, **overrides)
     report = assert_compiles_clean(rendered, ["prepare", "sequential"], tmp_path)
     smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
-    assert {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel} == smem
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == smem
 
 
 @pytest.mark.parametrize("overrides,reason", [
@@ -77,7 +77,7 @@ def test_gla_pre_seq_constraints_refuse_before_rendering(overrides, reason):
     problem = Problem("gla", 64, 64)
     config = space.load("gla").complete(problem, {"split": "pre_seq", **overrides})
     with pytest.raises(ConstraintError, match=reason):
-        render(problem, config)
+        Candidate.from_config(problem, config)
 
 
 # (variant, split, placement, the allocation it switches, other parameters its values need)
@@ -117,7 +117,7 @@ def test_sub_chunk_not_dividing_chunk_is_refused_before_rendering(variant):
     problem = Problem(variant, 64, 64)
     config = {**space.load(variant).default(problem), "chunk_size": 32, "sub_chunk": 64}
     with pytest.raises(ConstraintError, match="sub_chunk must divide the chunk size"):
-        render(problem, config)
+        Candidate.from_config(problem, config)
 
 
 @pytest.mark.parametrize("variant,split", [(v, s) for v, s, _ in SPLITS])

@@ -14,8 +14,9 @@ import re
 import pytest
 from template_checks import assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors, rendered_config
 
-from tuner import model, space
+from tuner import space
 from tuner import render as rendering
+from tuner.candidate import Candidate, violations
 from tuner.compile import build_kernels, load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
@@ -62,7 +63,7 @@ def test_pre_seq_every_parameter_compiles_clean_and_the_model_knows_its_shared_m
     rendered = rendered_config("gdn", 128, **PRE_SEQ_ALL)
     report = assert_compiles_clean(rendered, KERNELS["pre_seq"], tmp_path)
     smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
-    assert {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel} == smem
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == smem
 
 
 def test_pre_seq_parameters_do_not_apply_to_the_other_splits():
@@ -79,7 +80,7 @@ def test_constraint_breaking_config_refused_before_rendering(monkeypatch):
     monkeypatch.setattr(rendering, "jinja_environment", no_render)
     problem = Problem("gdn", 64, 64, "bf16")
     with pytest.raises(ConstraintError, match="block_dv must divide DV"):
-        rendering.render(problem, {**space.load("gdn").default(problem), "block_dv": 128})
+        Candidate.from_config(problem, {**space.load("gdn").default(problem), "block_dv": 128})
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
@@ -87,12 +88,11 @@ def test_overlap_needs_64_token_chunks_and_tilelang_refuses_it_at_32(variant, tm
     problem = Problem(variant, 128, 128)
     sp = space.load(variant)
     config = sp.complete(problem, {"split": "pre_seq", "overlap": True, "chunk_size": 32})
-    reasons = sp.violations(problem, config)
+    reasons = violations(problem, config)
     assert len(reasons) == 1 and "64 rows per warpgroup" in reasons[0], reasons
-    assert not sp.violations(problem, {**config, "chunk_size": 64})
+    assert not violations(problem, {**config, "chunk_size": 64})
     # The truth behind the constraint: the template as emitted without it does not compile.
-    source = rendering.render_unchecked(problem, config)
-    report, _, _ = build_kernels(rendering.Rendered(problem, config, source), cache_dir=tmp_path)
+    report, _, _ = build_kernels(Candidate(problem, config, rendering.render(problem, config)), cache_dir=tmp_path)
     assert report.error and "T.wgmma_gemm() requires Hopper WGMMA lowering" in report.error, report.error
 
 
@@ -101,10 +101,10 @@ def test_an_output_block_of_its_own_compiles_clean_and_the_model_knows_its_share
     assert "BLOCK_DV_O = 64" in rendered.source and "(DV // BLOCK_DV_O)" in rendered.source
     report = assert_compiles_clean(rendered, KERNELS["chunked"], tmp_path)
     smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
-    assert {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel} == smem
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == smem
     # Only the output kernel's tiles widen: the state pass keeps its 16 columns.
-    narrow = {k.name: k.smem_bytes for k in model.predict(
-        rendered.problem, {**rendered.config, "block_dv_o": 16}).per_kernel}
+    narrow = {k.name: k.smem_bytes for k in Candidate.from_config(
+        rendered.problem, {**rendered.config, "block_dv_o": 16}).prediction.per_kernel}
     assert narrow["chunk_state"] == smem["chunk_state"] and narrow["chunk_o"] < smem["chunk_o"]
 
 

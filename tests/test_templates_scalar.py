@@ -9,11 +9,12 @@ import pytest
 from template_checks import (assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors,
                              rendered_config)
 
-from tuner import model, space
+from tuner import space
 from tuner.compile import build_kernels, load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
-from tuner.render import Rendered, render, render_unchecked
+from tuner.candidate import Candidate, violations
+from tuner.render import render
 
 SCALAR = ("linear", "decay", "simple_gla")
 WEIGHTED = ("decay", "simple_gla")
@@ -53,7 +54,7 @@ def test_block_dv_not_dividing_dv_is_refused_before_rendering(variant):
     problem = Problem(variant, 64, 64)
     config = {**space.load(variant).default(problem), "block_dv": 128}
     with pytest.raises(ConstraintError, match="block_dv must divide dv"):
-        render(problem, config)
+        Candidate.from_config(problem, config)
 
 
 @pytest.mark.parametrize("overrides", [{"split": "fused", "block_dv": 16},
@@ -63,13 +64,13 @@ def test_sixteen_columns_on_256_threads_fail_to_compile_and_the_space_refuses_th
     problem = Problem("simple_gla", 128, 128)
     config = space.load("simple_gla").normalise(
         {**space.load("simple_gla").default(problem), "threads": 256, "scores_in": "shared", **overrides})
-    # Rendered past render()'s constraint check, as the template would emit it without the constraints.
-    rendered = Rendered(problem, config, render_unchecked(problem, config))
+    # Rendered past the constraint check, as the template would emit it without the constraints.
+    rendered = Candidate(problem, config, render(problem, config))
     report, _, _ = build_kernels(rendered, cache_dir=tmp_path)
     assert report.error and ("GMMA_MN layout" in report.error or "No valid warp partition" in report.error), report.error
-    reasons = space.load("simple_gla").violations(rendered.problem, rendered.config)
+    reasons = violations(rendered.problem, rendered.config)
     assert len(reasons) == 1 and "256 threads" in reasons[0], reasons
-    assert not space.load("simple_gla").violations(rendered.problem, {**rendered.config, "threads": 128})
+    assert not violations(rendered.problem, {**rendered.config, "threads": 128})
 
 
 @pytest.mark.parametrize("variant", SCALAR)
@@ -85,7 +86,7 @@ def test_every_parameter_is_declared_with_doc(variant):
 def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_memory(variant, dk, overrides, tmp_path):
     rendered = rendered_config(variant, dk, split="chunked", **overrides)
     report = assert_compiles_clean(rendered, ["chunk_state", "chunk_o"], tmp_path)
-    predicted = {k.name: k.smem_bytes for k in model.predict(rendered.problem, rendered.config).per_kernel}
+    predicted = {k.name: k.smem_bytes for k in rendered.prediction.per_kernel}
     assert predicted == {k.name: k.dynamic_smem_bytes for k in report.kernels}
 
 

@@ -15,10 +15,9 @@ import traceback
 import torch
 
 from . import inputs, reference
+from .candidate import Candidate
 from .compile import build_kernels
-from .gate import twin_config
 from .problem import Problem
-from .render import Rendered, render
 
 # Bytes of NaN written through the caching allocator before each forward: outputs that forward
 # allocates tend to reuse this memory, so elements the kernel never writes read as NaN (best
@@ -59,8 +58,7 @@ def gate(job: dict, progress) -> dict:
     device = _device(job["device"])
 
     progress("compile")
-    rendered = Rendered(problem, config, job["source"]) if job["source"] is not None else render(problem, config)
-    report, module, kernels = build_kernels(rendered, cache_dir=job["cache_dir"])
+    report, module, kernels = build_kernels(Candidate(problem, config, job["source"]), cache_dir=job["cache_dir"])
     out = dict(status="pass", errors={}, message="", timing=None, compile=report.as_dict())
     if report.error is not None:
         return dict(out, status="compile_error", message=report.error)
@@ -68,9 +66,9 @@ def gate(job: dict, progress) -> dict:
         return dict(out, status="screen", message="; ".join(f"line {f.line}: {f.message}" for f in report.rejected))
 
     twin = None
-    if job["source"] is None and twin_config(config) is not None:
+    if job["twin"] is not None:
         progress("compile num_stages=0 twin")
-        twin_report, twin_module, twin_kernels = build_kernels(render(problem, twin_config(config)),
+        twin_report, twin_module, twin_kernels = build_kernels(Candidate(problem, **job["twin"]),
                                                                cache_dir=job["cache_dir"])
         if twin_report.ok:
             twin = (twin_module, twin_kernels)

@@ -198,30 +198,25 @@ def problem_from(args):
     return Problem(args.variant, args.dk, args.dv or args.dk, args.dtype, **kw)
 
 
-def config_from(args, problem) -> dict:
+def candidate_from(args, problem):
+    """The Candidate of the config the arguments describe (the default with ``--set``s), checked."""
     from . import space
+    from .candidate import Candidate
 
-    overrides = parse_overrides(args.set)
-    sp = space.load(problem.variant)
-    config = sp.complete(problem, overrides)
-    sp.validate(problem, config)
-    return config
+    return Candidate.from_config(problem, space.load(problem.variant).complete(problem, parse_overrides(args.set)))
 
 
 def _cmd_render(args) -> int:
-    from .render import render
-
     problem = problem_from(args)
-    print(render(problem, config_from(args, problem)).source, end="")
+    print(candidate_from(args, problem).source, end="")
     return 0
 
 
 def _cmd_compile(args) -> int:
-    from .compile import compile_rendered
-    from .render import render
+    from .compile import compile_candidate
 
     problem = problem_from(args)
-    report = compile_rendered(render(problem, config_from(args, problem)))
+    report = compile_candidate(candidate_from(args, problem))
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.summary())
     return 0 if report.ok else 1
 
@@ -230,11 +225,11 @@ def _cmd_gate(args) -> int:
     from . import gate, stack
 
     problem = problem_from(args)
-    config = config_from(args, problem)  # bad input is told first
+    candidate = candidate_from(args, problem)  # bad input is told first
     if not stack.has_gpu():
         raise UserError("no CUDA device: `tune gate` runs the kernel on the GPU; "
                         "`tune compile` compiles it and reports its resources without one")
-    result = gate.run_gate(problem, config, timeout_s=args.timeout, device=args.gpu)
+    result = gate.run_gate(candidate, timeout_s=args.timeout, device=args.gpu)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
@@ -246,29 +241,86 @@ def _cmd_gate(args) -> int:
 
 
 def _cmd_predict(args) -> int:
-    from . import model
-
     problem = problem_from(args)
-    pred = model.predict(problem, config_from(args, problem))
+    pred = candidate_from(args, problem).prediction
     print(json.dumps(pred.as_dict(), indent=2) if args.json else pred.summary())
     return 0
 
 
 def _cmd_calibrate(args) -> int:
     problem = problem_from(args)
-    from . import model
+    from . import calibration
     from .paths import written_db
 
-    return model.calibrate_main(problem, samples=args.samples, seed=args.seed, db=written_db(args.db))
+    return calibration.calibrate_main(problem, samples=args.samples, seed=args.seed, db=written_db(args.db))
 
 
 def _cmd_run(args) -> int:
     problem = problem_from(args)
-    from . import search
+    from . import console, search
     from .paths import written_db
 
     args.db = written_db(args.db)
-    return search.tune_main(problem, args)
+    if args.gpus is not None:
+        from .search import workers
+
+        return tune_on_gpus(problem, args, workers.select_gpus(args.gpus))
+    summary = search.tune(problem, **_tune_options(args), gpu=args.gpu or 0, seed=args.seed,
+                          observer=console.Progress())
+    console.print_summary(summary)
+    return 0
+
+
+def _tune_options(args) -> dict:
+    """The options of ``tune run`` that every worker of a study shares."""
+    return dict(trials=args.trials, timeout=args.timeout, db=args.db, storage=args.storage, jobs=args.jobs,
+                register_budget=args.register_budget, fixed=dict(args.fix), also_at=tuple(args.also_at))
+
+
+def tune_on_gpus(problem, args, devices: list[int]) -> int:
+    """``tune run --gpus``: one worker process per device of ``devices``, all on one study (created
+    here first), each logging to ``<db>.gpu<i>.log``; the study's summary at the end, over all
+    workers. Exit code: 0 when every worker succeeded, else the first failing worker's."""
+    import functools
+    import signal
+    import threading
+
+    from . import console, search, space, stack
+    from .search import workers
+    from .store import Store
+
+    held = space.load(problem.variant).fix(dict(args.fix))
+    store = Store(args.storage or args.db)
+    if threading.current_thread() is threading.main_thread():
+        # Started as a background job, the process inherits SIGINT ignored: take it back, so that
+        # an interrupt still reaches the workers (run_on_gpus passes it on).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    name, also = search.open_studies(problem, store, held, tuple(args.also_at), devices[0])
+    gpu = stack.current(devices[0]).gpu
+    work = functools.partial(_tune_worker, problem, _tune_options(args), args.seed)
+    try:
+        codes = workers.run_on_gpus(devices, work, search.log_base(store), lambda pid, device, log: print(
+            f"tune: worker {pid} on GPU {device} ({gpu}), log {log}", flush=True))
+    finally:
+        console.print_summary(search.summarise(problem, store, name, held, gated=True, also_at=also))
+    failed = [(device, code) for device, code in zip(devices, codes) if code != 0]
+    for device, code in failed:
+        print(f"tune: the worker on GPU {device} exited with {code}; see its log", file=sys.stderr)
+    return failed[0][1] if failed else 0
+
+
+def _tune_worker(problem, options: dict, seed: int | None, index: int) -> int:
+    """One worker of ``tune run --gpus`` (in its own process, seeing one device as device 0)."""
+    from . import console, search
+
+    try:
+        summary = search.tune(problem, **options, gpu=0, seed=None if seed is None else seed + index,
+                              observer=console.Progress())
+    except UserError as e:
+        print(f"tune: error: {e}", file=sys.stderr)
+        return 2
+    console.print_summary(summary)
+    return 0
 
 
 def _cmd_regress(args) -> int:

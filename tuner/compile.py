@@ -1,6 +1,6 @@
-"""Compile a rendered kernel module for Hopper and report what ptxas says about each kernel.
+"""Compile a candidate's kernel module for Hopper and report what ptxas says about each kernel.
 
-The rendered source is written to ``<cache>/kernels/<rendered.name>.py`` (kept for inspection;
+The candidate's source is written to ``<cache>/kernels/<candidate.name>.py`` (kept for inspection;
 ``<cache>`` is ``$LINATTN_CACHE`` or ``~/.cache/linattn-tuner``), imported from that file (TileLang
 reads a ``prim_func``'s source through ``inspect``, so it must live in a file), and every program
 of ``programs()`` is compiled with ptxas in verbose mode. The figures come from the ``PTXAS
@@ -10,7 +10,7 @@ Caching: a TileLang cache hit skips nvcc, and with it ptxas' lines and the devic
 attributes (dynamic shared memory, threads). ``build_kernels`` compiles with ptxas in verbose mode,
 keeps each kernel's report in its TileLang cache entry (``KEPT_REPORT``) and stores the report of the
 module beside it as ``<name>.<arch>.report.json`` (the name holds the source
-digest). Asked again, ``compile_rendered`` and ``build_kernels`` reuse the stored report and load
+digest). Asked again, ``compile_candidate`` and ``build_kernels`` reuse the stored report and load
 the kernels from TileLang's cache: what the tuner's compile pool built is what the gate runs,
 without a second nvcc. ``load_kernels`` (for running: the gate, the ops) passes the same compile
 flags, so it shares the cache entries. A kernel shared by several configs (the output kernel of
@@ -36,7 +36,7 @@ from types import ModuleType
 from . import paths
 from .screen import Finding, screen
 
-__all__ = ["CompilerKilled", "KernelReport", "CompileReport", "compile_rendered", "build_kernels", "load_kernels",
+__all__ = ["CompilerKilled", "KernelReport", "CompileReport", "compile_candidate", "build_kernels", "load_kernels",
            "kernels_dir", "parse_ptxas"]
 
 # Error messages keep their tail (where nvcc and TVM put the cause), at most this many characters.
@@ -82,7 +82,7 @@ class KernelReport:
 
 @dataclass
 class CompileReport:
-    """The outcome of compiling one rendered module: a compile failure is a result, not an exception.
+    """The outcome of compiling one candidate module: a compile failure is a result, not an exception.
 
     ``ok``: compiled and no screen finding rejects it. ``error``: the compiler's message, trimmed.
     """
@@ -151,33 +151,33 @@ class CompileReport:
 
 
 def kernels_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where rendered modules and reports are kept: ``<cache_dir or $LINATTN_CACHE or
+    """Where candidate modules and reports are kept: ``<cache_dir or $LINATTN_CACHE or
     ~/.cache/linattn-tuner>/kernels`` (:func:`tuner.paths.cache_dir`)."""
     path = Path(cache_dir or paths.cache_dir()) / "kernels"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def compile_rendered(rendered, *, arch: str = "sm_90a", cache_dir=None) -> CompileReport:
-    """Compile every program of a rendered module and report ptxas' figures and the screen's findings.
+def compile_candidate(candidate, *, arch: str = "sm_90a", cache_dir=None) -> CompileReport:
+    """Compile every program of a candidate module and report ptxas' figures and the screen's findings.
 
     Args:
-        rendered (Rendered): from ``tuner.render.render`` (anything with ``name``, ``digest``,
-            ``source`` and optionally ``config``).
+        candidate (Candidate): a rendered config (anything with ``name``, ``digest``, ``source`` and
+            optionally ``config``).
         arch (str): CUDA architecture. Default: "sm_90a".
         cache_dir (str or Path): cache root. Default: None ($LINATTN_CACHE or ~/.cache/linattn-tuner).
 
     Returns:
         CompileReport: reused from ``<name>.<arch>.report.json`` when present (``cached`` set).
     """
-    stored = _stored_report(rendered, arch, cache_dir)
+    stored = _stored_report(candidate, arch, cache_dir)
     if stored is not None:
         return stored
-    report, _, _ = build_kernels(rendered, arch=arch, cache_dir=cache_dir)
+    report, _, _ = build_kernels(candidate, arch=arch, cache_dir=cache_dir)
     return report
 
 
-def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
+def build_kernels(candidate, *, arch: str = "sm_90a", cache_dir=None):
     """Compile (ptxas verbose), screen, store the report, and return the kernels too, for callers
     that run them right away (the gate). A config compiled before (its report is stored) is loaded
     from TileLang's cache instead, with its stored report.
@@ -185,21 +185,21 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
     Returns:
         (CompileReport, module or None, dict name -> JITKernel). The kernels are empty on a compile error.
     """
-    stored = _stored_report(rendered, arch, cache_dir)
+    stored = _stored_report(candidate, arch, cache_dir)
     if stored is not None:
         if stored.error is not None:
             return stored, None, {}
-        module, kernels = load_kernels(rendered, arch, cache_dir)
+        module, kernels = load_kernels(candidate, arch, cache_dir)
         return stored, module, kernels
-    source_path = _write_source(rendered, cache_dir)
-    report = CompileReport(rendered.name, rendered.digest, arch, source_path=str(source_path))
-    threads = (getattr(rendered, "config", None) or {}).get("threads")
+    source_path = _write_source(candidate, cache_dir)
+    report = CompileReport(candidate.name, candidate.digest, arch, source_path=str(source_path))
+    threads = (getattr(candidate, "config", None) or {}).get("threads")
     kernels = {}
     module = None
     start = time.perf_counter()
     with _interrupts_seen() as interrupted:
         try:
-            module = _import(rendered.name, source_path)
+            module = _import(candidate.name, source_path)
             programs = module.programs()
             if programs:  # a module without programs (a pure-torch test double) needs no TileLang
                 with _verbose_compile() as capture:
@@ -210,7 +210,7 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
         except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
             # Neither is the kernel's outcome: stored, it would pass for a compile error in every later run.
             if interrupted:
-                raise KeyboardInterrupt(f"compile of {rendered.name} interrupted") from e
+                raise KeyboardInterrupt(f"compile of {candidate.name} interrupted") from e
             if "died due to signal" in str(e):  # nvcc's words for a stage killed (the OOM killer, a kill)
                 raise CompilerKilled(f"{_trim(e)} (not cached: compiled again when asked again)") from e
             report.error = _trim(e)
@@ -218,7 +218,7 @@ def build_kernels(rendered, *, arch: str = "sm_90a", cache_dir=None):
     report.compile_seconds = round(time.perf_counter() - start, 3)
     for k in report.kernels:
         report.screen_findings += screen(k.cuda_source, k.threads or threads)
-    _write_atomically(_report_path(rendered, arch, cache_dir), json.dumps(report.as_dict(with_source=False), indent=1))
+    _write_atomically(_report_path(candidate, arch, cache_dir), json.dumps(report.as_dict(with_source=False), indent=1))
     return report, module, kernels
 
 
@@ -244,14 +244,14 @@ def _interrupts_seen():
         signal.signal(signal.SIGINT, previous)
 
 
-def load_kernels(rendered, arch: str = "sm_90a", cache_dir=None) -> tuple[ModuleType, dict]:
+def load_kernels(candidate, arch: str = "sm_90a", cache_dir=None) -> tuple[ModuleType, dict]:
     """The imported module and its compiled programs for running, from TileLang's cache when the
     config was compiled before (by ``build_kernels`` too: the flags, and so the keys, are the same).
 
     Returns:
         (module, dict name -> JITKernel).
     """
-    module = _import(rendered.name, _write_source(rendered, cache_dir))
+    module = _import(candidate.name, _write_source(candidate, cache_dir))
     kernels = {name: _compile(f, arch, pc) for name, f, pc in module.programs()}
     return module, kernels
 
@@ -259,13 +259,13 @@ def load_kernels(rendered, arch: str = "sm_90a", cache_dir=None) -> tuple[Module
 # ---------------------------------------------------------------------------------------------
 
 
-def _report_path(rendered, arch: str, cache_dir) -> Path:
-    return kernels_dir(cache_dir) / f"{rendered.name}.{arch}.report.json"
+def _report_path(candidate, arch: str, cache_dir) -> Path:
+    return kernels_dir(cache_dir) / f"{candidate.name}.{arch}.report.json"
 
 
-def _stored_report(rendered, arch: str, cache_dir) -> CompileReport | None:
+def _stored_report(candidate, arch: str, cache_dir) -> CompileReport | None:
     """The report of an earlier compile of this source, or None (none, or an unreadable older format)."""
-    path = _report_path(rendered, arch, cache_dir)
+    path = _report_path(candidate, arch, cache_dir)
     if not path.exists():
         return None
     try:
@@ -276,11 +276,11 @@ def _stored_report(rendered, arch: str, cache_dir) -> CompileReport | None:
     return report
 
 
-def _write_source(rendered, cache_dir) -> Path:
+def _write_source(candidate, cache_dir) -> Path:
     """Write the module once (atomically: other processes may compile the same config)."""
-    path = kernels_dir(cache_dir) / f"{rendered.name}.py"
-    if not path.exists() or path.read_text() != rendered.source:
-        _write_atomically(path, rendered.source)
+    path = kernels_dir(cache_dir) / f"{candidate.name}.py"
+    if not path.exists() or path.read_text() != candidate.source:
+        _write_atomically(path, candidate.source)
     return path
 
 

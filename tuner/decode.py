@@ -25,7 +25,7 @@ import torch
 from .errors import UserError
 from .lookup import best_config
 from .problem import Problem
-from .render import render
+from .candidate import Candidate
 from .store import shape_bucket
 from .variants import get as get_variant, recurrent_name
 
@@ -48,7 +48,7 @@ def _compiled(name: str, dk: int, dv: int, dtype: str, config: tuple):
     """The generated module and its compiled kernels for one config (one compile per process)."""
     from .compile import load_kernels
 
-    return load_kernels(render(Problem(name, dk, dv, dtype), dict(config)))
+    return load_kernels(Candidate.from_config(Problem(name, dk, dv, dtype), dict(config)))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -5,8 +5,8 @@ not every thread reaches never returns), so every check runs in a child (``tuner
 the watchdog fires the whole group is killed and the result is ``hang``. The caller never blocks
 for longer than ``timeout_s``.
 
-The child renders (or takes ``source``), compiles with ``tuner.compile.build_kernels`` and stops
-at a compile error or a screen rejection. Then, for each regime of ``tuner.inputs.regimes_for``,
+The child takes the candidate's source (and its twin's; it renders nothing), compiles with
+``tuner.compile.build_kernels`` and stops at a compile error or a screen rejection. Then, for each regime of ``tuner.inputs.regimes_for``,
 each sequence length (a multiple of the chunk and not: 1024 and 1000 by default) and each seed, it
 runs ``forward`` and compares ``o`` and the final state with ``tuner.reference.chunked`` in fp64 on
 the same device by relative L2. A staged config (``num_stages > 0``) is also compared with its
@@ -26,9 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import limits, status
-from .problem import Problem
+from .candidate import Candidate
 
-__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "shape_timing", "twin_config"]
+__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "shape_timing"]
 
 STATUSES = tuple(s.value for s in status.GATE)
 # The end of the child's output kept in a crash message.
@@ -83,26 +83,20 @@ def shape_timing(timing_at: dict, shape: str) -> tuple[dict | None, str]:
     return timing, ""
 
 
-def twin_config(config: dict) -> dict | None:
-    """The ``num_stages = 0`` twin a staged config is compared with; None for an unstaged config."""
-    return {**config, "num_stages": 0} if config.get("num_stages", 0) > 0 else None
-
-
-def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None, timeout_s: float = limits.GATE_S,
-             device: int = 0, source: str | None = None, tolerance: float | None = None,
+def run_gate(candidate: Candidate, *, regimes: list[str] | None = None, timeout_s: float = limits.GATE_S,
+             device: int = 0, tolerance: float | None = None,
              seeds: tuple[int, ...] = (0, 1), seqlens: tuple[int, ...] = (1024, 1000), batch: int = 2,
              heads: int = 4, cache_dir=None) -> GateResult:
-    """Check ``config`` for ``problem`` against the fp64 oracle, in a child process with a watchdog.
+    """Check ``candidate`` against the fp64 oracle, in a child process with a watchdog.
 
     Args:
-        problem (Problem): variant, head dims and dtype (the shape is timed by ``gate_and_time``).
-        config (dict): template parameters.
+        candidate (Candidate): the rendered config (its problem's shape is what ``gate_and_time``
+            times); a staged one is also compared with its twin (``Candidate.twin``). A test may
+            build one from any module source with the ``programs()``/``forward()`` contract.
         regimes (list[str]): input regimes. Default: None (``tuner.inputs.regimes_for(variant)``).
         timeout_s (float): wall-clock limit of the child, compile included; then its process group
             is killed and the status is "hang". Default: ``limits.GATE_S``.
         device (int): CUDA device index; the CPU when CUDA is absent. Default: 0.
-        source (str): a module source with the ``programs()``/``forward()`` contract, used instead
-            of rendering ``config`` (no twin check then). Default: None.
         tolerance (float): relative L2 limit. Default: None (``problem.tolerance``, per dtype).
         seeds (tuple[int]): input seeds. Default: (0, 1).
         seqlens (tuple[int]): sequence lengths checked. Default: (1024, 1000).
@@ -112,18 +106,18 @@ def run_gate(problem: Problem, config: dict, *, regimes: list[str] | None = None
     Returns:
         GateResult
     """
-    job = _job(problem, config, regimes=regimes, device=device, source=source, tolerance=tolerance, seeds=seeds,
+    job = _job(candidate, regimes=regimes, device=device, tolerance=tolerance, seeds=seeds,
                seqlens=seqlens, batch=batch, heads=heads, cache_dir=cache_dir)
     return _run_child(job, timeout_s)
 
 
-def gate_and_time(problem: Problem, config: dict, *, also_at: tuple[str, ...] = (), warmup_ms: float = 25.0,
+def gate_and_time(candidate: Candidate, *, also_at: tuple[str, ...] = (), warmup_ms: float = 25.0,
                   rep: int = 100, timeout_s: float = limits.GATE_S, **gate_args) -> GateResult:
     """:func:`run_gate`, then on a pass time ``forward`` at the problem's (B, T, H) in the same child,
     and at each shape of ``also_at``: the gate does not depend on the shape, so one gate serves all.
 
     Args:
-        problem, config: as in :func:`run_gate`.
+        candidate (Candidate): as in :func:`run_gate`.
         also_at (tuple[str]): more shapes (``BxTxH``) to time a passing config at (``timing_at``).
         warmup_ms (float), rep (int): passed to ``tuner.bench.time_forward``. Default: 25, 100.
         timeout_s (float): as in :func:`run_gate`; make it cover the timing too. Default: ``limits.GATE_S``.
@@ -132,16 +126,19 @@ def gate_and_time(problem: Problem, config: dict, *, also_at: tuple[str, ...] = 
     Returns:
         GateResult with ``timing`` (and ``timing_at``) filled on a pass.
     """
-    job = _job(problem, config, **gate_args)
+    job = _job(candidate, **gate_args)
     job.update(time=True, also_at=list(also_at), warmup_ms=warmup_ms, rep=rep)
     return _run_child(job, timeout_s)
 
 
-def _job(problem: Problem, config: dict, *, regimes=None, device=0, source=None, tolerance=None, seeds=(0, 1),
+def _job(candidate: Candidate, *, regimes=None, device=0, tolerance=None, seeds=(0, 1),
          seqlens=(1024, 1000), batch=2, heads=4, cache_dir=None) -> dict:
     """What the child needs, as JSON."""
-    return dict(problem=problem.as_dict(), config=config, regimes=regimes, device=device, source=source,
-                tolerance=problem.tolerance if tolerance is None else tolerance, seeds=list(seeds),
+    twin = candidate.twin
+    return dict(problem=candidate.problem.as_dict(), config=candidate.config, source=candidate.source,
+                twin=None if twin is None else dict(config=twin.config, source=twin.source),
+                regimes=regimes, device=device,
+                tolerance=candidate.problem.tolerance if tolerance is None else tolerance, seeds=list(seeds),
                 seqlens=list(seqlens), batch=batch, heads=heads, cache_dir=str(cache_dir) if cache_dir else None,
                 time=False)
 

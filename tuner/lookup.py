@@ -26,7 +26,7 @@ from .stack import NONE, Stack
 from .errors import UserError
 from .paths import DB_ENV, SHIPPED_DB, user_db
 from .problem import Problem
-from .render import render
+from .candidate import Candidate
 from .store import Store, Winner, shape_bucket
 
 SOURCES = ("exact", "nearest_bucket", "same_arch", "default")
@@ -170,6 +170,6 @@ def _stale_reason(w: Winner, env: Stack) -> str | None:
 def _digest(variant: str, dk: int, dv: int, dtype: str, config: tuple) -> str | None:
     """The digest the current template gives ``config``; None when the space refuses it now."""
     try:
-        return render(Problem(variant, dk, dv, dtype), dict(config)).digest
+        return Candidate.from_config(Problem(variant, dk, dv, dtype), dict(config)).digest
     except UserError:
         return None

@@ -18,7 +18,7 @@ from .errors import UserError
 from .inputs import check_layout
 from .lookup import best_config
 from .problem import Problem
-from .render import render
+from .candidate import Candidate
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -46,8 +46,7 @@ def _compiled(variant: str, dk: int, dv: int, dtype: str, config: tuple):
     """The generated module and its compiled kernels for one config (one compile per process)."""
     from .compile import load_kernels
 
-    rendered = render(Problem(variant, dk, dv, dtype), dict(config))
-    return load_kernels(rendered)
+    return load_kernels(Candidate.from_config(Problem(variant, dk, dv, dtype), dict(config)))
 
 
 @functools.cache

@@ -178,22 +178,23 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
     if not stack.has_gpu():
         raise UserError("no CUDA device: `tune regress` re-times the winners on the GPU; "
                         "`tune regress --replay` judges the recorded history without one")
-    from .render import render
+    from .candidate import Candidate
 
     env = stack.current(device)
     selected = _selected(store, names)
     outcomes: dict[int, Outcome] = {}
-    kernels: dict[str, list[Winner]] = {}  # the kernel as it renders today -> its winners (at several shapes)
+    # the kernel as it renders today -> its candidate (at the first winner's shape) and its winners
+    kernels: dict[str, tuple[Candidate, list[Winner]]] = {}
     for w in selected:
         if w.stack.gpu != env.gpu:
             outcomes[w.id] = Outcome(w, None, f"tuned on {w.stack.gpu}, not timed on {env.gpu}")
             continue
-        kernels.setdefault(render(w.problem, w.config).digest, []).append(w)
-    for digest, group in kernels.items():
+        candidate = Candidate.from_config(w.problem, w.config)
+        kernels.setdefault(candidate.digest, (candidate, []))[1].append(w)
+    for digest, (candidate, group) in kernels.items():
         first = group[0]
         also_at = tuple(dict.fromkeys(w.problem.shape for w in group if w.problem.shape != first.problem.shape))
-        result = gate.gate_and_time(first.problem, first.config, also_at=also_at, timeout_s=limits.GATE_S,
-                                    device=device)
+        result = gate.gate_and_time(candidate, also_at=also_at, timeout_s=limits.GATE_S, device=device)
         for w in group:
             note = "" if digest == w.digest else f"template changed: kernel {w.digest} now renders as {digest}"
             status, timing = result.status, (result.timing or {}) if result.status == "pass" else {}

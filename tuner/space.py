@@ -7,12 +7,14 @@ a default, a parameter may ``inherit`` another's value (``block_dv_o`` inherits 
 config states it only where it differs, so a parameter added to a template this way leaves every
 config from before it, and its kernel and digest, as it was. A
 constraint is a readable expression over the parameters and the problem's ``dk``, ``dv`` and
-``dtype``, with the ``reason`` reported when it fails. Expressions may also use ``smem_bytes``
-and ``smem_limit``: the shared memory the model computes for the config and the per-block limit.
+``dtype``, with the ``reason`` reported when it fails. Expressions may also use ``smem_limit``, the
+per-block limit, and the measures of a rendered kernel (:data:`MEASURES`: ``smem_bytes``, its
+shared memory), which the caller supplies: this module knows the space, not the kernels.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +26,8 @@ from .problem import Problem
 
 # Largest dynamic shared memory one block may use on sm_90 (227 KiB).
 SMEM_LIMIT = 232448
+# Names a constraint may use that only the rendered kernel can tell (supplied by the caller).
+MEASURES = ("smem_bytes",)
 
 
 @dataclass(frozen=True)
@@ -102,8 +106,13 @@ class Space:
             raise UserError(f"unknown parameter {name!r} for {self.variant}; accepted: {', '.join(self.params)}")
         return self.params[name]
 
-    def violations(self, problem: Problem, config: dict) -> list[str]:
-        """The reasons ``config`` is refused for ``problem``; empty when it is valid."""
+    def violations(self, problem: Problem, config: dict,
+                   measures: Callable[[], Mapping[str, Any]] | None = None) -> list[str]:
+        """The reasons ``config`` is refused for ``problem``; empty when it is valid.
+
+        ``measures`` gives the :data:`MEASURES` of the config's rendered kernel; it is called only
+        when the constraints that need none pass (rendering costs more than they do). A constraint
+        that needs a measure with no ``measures`` to give it is a ValueError."""
         reasons = []
         for name, p in self.params.items():
             if name in config and config[name] not in p.values:
@@ -112,10 +121,8 @@ class Space:
                 reasons.append(f"{name} is missing")
         if reasons:
             return reasons
-        env = _ConstraintScope(problem, config)
-        # The shared-memory constraints render the kernel to count its buffers: judge them only
-        # for configs that pass the cheap ones.
-        cheap = [c for c in self.constraints if "smem_bytes" not in c.require]
+        env = _ConstraintScope(problem, config, measures)
+        cheap = [c for c in self.constraints if not any(m in c.require for m in MEASURES)]
         for batch in (cheap, [c for c in self.constraints if c not in cheap]):
             for c in batch:
                 if c.when is not None and not _eval(c.when, config, env):
@@ -126,8 +133,9 @@ class Space:
                 break
         return reasons
 
-    def validate(self, problem: Problem, config: dict) -> None:
-        reasons = self.violations(problem, config)
+    def validate(self, problem: Problem, config: dict, measures: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """Raise ConstraintError with the reasons when :meth:`violations` finds any."""
+        reasons = self.violations(problem, config, measures)
         if reasons:
             raise ConstraintError(f"config refused for {problem.variant}: " + "; ".join(reasons))
 
@@ -138,16 +146,16 @@ class Space:
         domains = repr([(name, p.values) for name, p in self.params.items()])
         return hashlib.sha256(domains.encode()).hexdigest()[:8]
 
-    def nearest_valid(self, problem: Problem, config: dict, rng) -> dict | None:
-        """A valid config that changes the fewest parameters of ``config``, ties drawn with ``rng``
-        (a ``random.Random``); None when no config of the space is valid. Where the search goes
-        when a proposal breaks a constraint: TPE sees every broken constraint as equally bad, so
-        in a space that is mostly invalid it keeps proposing invalid configs."""
+    def nearest_valid(self, config: dict, rng, is_valid: Callable[[dict], bool]) -> dict | None:
+        """A config ``is_valid`` accepts that changes the fewest parameters of ``config``, ties
+        drawn with ``rng`` (a ``random.Random``); None when it accepts none of the space. Where the
+        search goes when a proposal breaks a constraint: TPE sees every broken constraint as equally
+        bad, so in a space that is mostly invalid it keeps proposing invalid configs."""
         def changed(other: dict) -> int:
             return sum(config.get(name) != other.get(name) for name in {*config, *other})
 
         ranked = sorted(self._grid, key=lambda c: (changed(c), rng.random()))
-        return next((c for c in ranked if not self.violations(problem, c)), None)
+        return next((c for c in ranked if is_valid(c)), None)
 
     def grid(self) -> list[dict]:
         """Every combination of values, restricted to the parameters that apply (deduplicated)."""
@@ -178,18 +186,18 @@ class Space:
 
 
 class _ConstraintScope(dict):
-    """Names available to constraint expressions; ``smem_bytes`` is computed on first use."""
+    """Names available to constraint expressions; the measures are asked for on first use."""
 
-    def __init__(self, problem: Problem, config: dict):
+    def __init__(self, problem: Problem, config: dict, measures: Callable[[], Mapping[str, Any]] | None):
         super().__init__(config)
         self.update(dk=problem.dk, dv=problem.dv, dtype=problem.dtype, smem_limit=SMEM_LIMIT)
-        self._problem, self._config = problem, config
+        self._measures = measures
 
     def __missing__(self, key):
-        if key == "smem_bytes":
-            from . import model
-
-            self[key] = model.shared_memory_bytes(self._problem, self._config)
+        if key in MEASURES:
+            if self._measures is None:
+                raise ValueError(f"a constraint needs {key}, a measure of the rendered kernel, and none was given")
+            self.update(self._measures())
             return self[key]
         raise KeyError(key)
 

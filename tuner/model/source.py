@@ -1,0 +1,449 @@
+"""Reading a generated kernel module without running it: each ``@T.prim_func`` that ``programs()``
+returns, with its buffers (``T.alloc_shared``, ``T.alloc_fragment``, ``T.alloc_local``,
+``T.alloc_var``, shapes evaluated from the module's constants), threads, ``T.Pipelined`` stages,
+copies, GEMMs, pass configs and the live range of every buffer, read with ``ast``.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import operator
+from dataclasses import dataclass
+
+from . import smem
+
+DTYPE_BYTES = {
+    "float32": 4, "float": 4, "int32": 4, "uint32": 4,
+    "float16": 2, "bfloat16": 2, "half": 2, "int16": 2,
+    "float8_e4m3": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1, "bool": 1,
+    "float64": 8, "int64": 8,
+}
+ALLOCATORS = {"alloc_shared": "shared", "alloc_fragment": "fragment", "alloc_local": "local", "alloc_var": "var"}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One allocation of a kernel.
+
+    Args:
+        name (str): the Python name it is bound to.
+        scope (str): ``shared``, ``fragment`` (spread over the block's threads), ``local``
+            (an array per thread) or ``var`` (a scalar per thread).
+        shape (tuple[int, ...]): its shape, ``()`` for a ``var``.
+        dtype (str): TileLang dtype name.
+    """
+
+    name: str
+    scope: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.itemsize
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What the model needs to know about one ``@T.prim_func`` of a generated module.
+
+    Args:
+        name (str): the name ``programs()`` gives it.
+        threads (int): ``threads=`` of its ``T.Kernel`` (consumer threads under warp specialisation).
+        buffers (tuple[Buffer, ...]): its allocations in source order.
+        num_stages (int | None): ``num_stages`` of its ``T.Pipelined`` loop; None without one.
+        pipeline_loads (frozenset[str]): shared buffers filled from global memory inside that loop.
+        thread_loads (frozenset[str]): those of them filled by a ``T.Parallel`` loop of stores.
+        tma_loads (frozenset[str]): shared buffers a TMA copy fills (warp-specialised kernels only).
+        tma_stores (frozenset[str]): shared buffers a TMA copy writes to global memory.
+        wgmma_shared (frozenset[str]): shared operands of the wgmma GEMMs.
+        wgmma_accumulators (frozenset[str]): fragments the wgmma GEMMs accumulate into.
+        uses (dict[str, tuple[int, int]]): per buffer, the first and last top-level statement of
+            the kernel body that names it (a loop is one statement).
+        live (dict[str, tuple[int, int]]): per buffer, its first and last leaf statement
+            (see :func:`_steps`), kept alive to the end of a loop it was alive before.
+        pipeline_steps (tuple[int, int] | None): the first and last step of the pipelined loop.
+        warp_specialized (bool): warp specialisation is not disabled by its pass configs.
+        aggressive_merge (bool): ``tl.enable_aggressive_shared_memory_merge``: shared buffers are
+            live per leaf statement, not per top-level statement, and share memory inside loops.
+    """
+
+    name: str
+    threads: int
+    buffers: tuple[Buffer, ...]
+    num_stages: int | None
+    pipeline_loads: frozenset[str]
+    thread_loads: frozenset[str]
+    tma_loads: frozenset[str]
+    tma_stores: frozenset[str]
+    wgmma_shared: frozenset[str]
+    wgmma_accumulators: frozenset[str]
+    uses: dict[str, tuple[int, int]]
+    live: dict[str, tuple[int, int]]
+    pipeline_steps: tuple[int, int] | None
+    warp_specialized: bool
+    aggressive_merge: bool
+
+    @functools.cached_property
+    def live_registers(self) -> float:
+        """Registers per thread of the fragments and per-thread arrays live at once, at the busiest
+        step of the body: a loop-carried fragment (the state) is named before and after the loop and
+        so lives throughout; a per-chunk intermediate, or a ``T.alloc_local`` array such as the
+        triangular solve's column, only between its first and last use. Computed once: the fit
+        predicts each kernel many times."""
+        steps = [0.0] * (1 + max((last for _, last in self.live.values()), default=0))
+        for buf in self.buffers:
+            if buf.scope == "shared" or buf.name not in self.live:
+                continue
+            first, last = self.live[buf.name]
+            regs = buf.nbytes / 4 / self.threads if buf.scope == "fragment" else max(1.0, buf.nbytes / 4)
+            for i in range(first, last + 1):
+                steps[i] += regs
+        return max(steps)
+
+    @functools.cached_property
+    def smem_plan(self) -> tuple[int, list[smem.Placement]]:
+        """:func:`tuner.model.smem.shared_memory_plan`, computed once."""
+        return smem.shared_memory_plan(self)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the loads are multi-buffered: two stages or more (one stage is one buffer)."""
+        return (self.num_stages or 0) >= 2 and bool(self.pipeline_loads)
+
+    @property
+    def producer_consumer(self) -> bool:
+        """Whether TileLang warp-specialises the kernel: allowed, and a pipelined loop loads."""
+        return self.warp_specialized and (self.num_stages or 0) >= 1 and bool(self.pipeline_loads)
+
+    @property
+    def unspecialised_pipeline(self) -> bool:
+        """Whether the block's own threads run a pipelined loop that loads from global memory
+        (``num_stages >= 1``, no warp specialisation): they issue the next chunk's loads beside the
+        current chunk's work, and ptxas keeps those loads' addresses and predicates live through it."""
+        return not self.producer_consumer and (self.num_stages or 0) >= 1 and bool(self.pipeline_loads)
+
+    @property
+    def launch_threads(self) -> int:
+        """Threads per block as launched: warp specialisation adds a producer of 128 threads, or
+        of as many as the consumers when it runs ``T.Parallel`` loads (producer_consumer_ws.cc)."""
+        if not self.producer_consumer:
+            return self.threads
+        return self.threads + (self.threads if self.thread_loads else 128)
+
+    @property
+    def setmaxnreg(self) -> bool:
+        """Whether TileLang splits the registers 24/240 between producer and consumers: the
+        kernel is warp specialised and its producer has no loop of stores to shared memory
+        (``SimtCopyDetector``; a strided ``T.copy`` does not count)."""
+        return self.producer_consumer and not self.thread_loads
+
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+def _evaluate(node: ast.AST, env: dict):
+    """The value of a constant expression over ``env``; KeyError/ValueError when it has none."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return env[node.id]
+    if _attr(node) is not None:  # a dtype spelled T.float32
+        return _attr(node)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return _BINOPS[type(node.op)](_evaluate(node.left, env), _evaluate(node.right, env))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, env)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_evaluate(e, env) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_evaluate(k, env): _evaluate(v, env) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+        merged = {}
+        for arg in node.args:
+            merged.update(_evaluate(arg, env))
+        for kw in node.keywords:
+            merged.update(_evaluate(kw.value, env) if kw.arg is None else {kw.arg: _evaluate(kw.value, env)})
+        return merged
+    if isinstance(node, ast.Call) and _attr(node.func) == "ceildiv" and len(node.args) == 2:
+        a, b = (_evaluate(x, env) for x in node.args)
+        return -(-a // b)
+    raise ValueError(f"not a constant expression: {ast.unparse(node)}")
+
+
+def _attr(func: ast.AST) -> str | None:
+    """``name`` of a call target ``T.name``."""
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "T":
+        return func.attr
+    return None
+
+
+def _bind_constants(statements: list[ast.stmt], env: dict) -> None:
+    """Add every ``NAME = <constant expression>`` among ``statements`` to ``env``."""
+    for stmt in statements:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+            continue
+        target = stmt.targets[0]
+        pairs = [(target, stmt.value)]
+        if isinstance(target, ast.Tuple) and isinstance(stmt.value, ast.Tuple):
+            pairs = list(zip(target.elts, stmt.value.elts, strict=True))
+        for name, value in pairs:
+            if isinstance(name, ast.Name):
+                try:
+                    env[name.id] = _evaluate(value, env)
+                except (KeyError, ValueError, TypeError, ZeroDivisionError):
+                    pass
+
+
+def _is_prim_func(fn: ast.FunctionDef) -> bool:
+    return any(_attr(d) == "prim_func" for d in fn.decorator_list)
+
+
+def _programs(tree: ast.Module, env: dict) -> list[tuple[str, ast.FunctionDef, ast.FunctionDef, dict]]:
+    """``programs()``'s entries: (kernel name, its prim_func, the function around it, pass configs).
+    A prim_func is defined in ``programs()`` itself or in a module-level factory it calls."""
+    module = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    programs = module.get("programs")
+    if programs is None:
+        raise ValueError("the rendered source defines no programs()")
+    returned = [n for n in programs.body if isinstance(n, ast.Return) and isinstance(n.value, (ast.List, ast.Tuple))]
+    if not returned:
+        raise ValueError("programs() returns no list literal")
+    entries = []
+    for item in returned[-1].value.elts:
+        name_node, func_node, configs_node = item.elts
+        if isinstance(func_node, ast.Call):
+            outer, wanted = module[func_node.func.id], None
+        else:
+            outer, wanted = programs, func_node.id
+        prim = next(n for n in outer.body if isinstance(n, ast.FunctionDef) and _is_prim_func(n)
+                    and wanted in (None, n.name))
+        entries.append((_evaluate(name_node, env), prim, outer, _evaluate(configs_node, env)))
+    return entries
+
+
+def _kernel_block(prim: ast.FunctionDef) -> ast.With:
+    for node in ast.walk(prim):
+        if isinstance(node, ast.With) and any(
+            isinstance(i.context_expr, ast.Call) and _attr(i.context_expr.func) == "Kernel" for i in node.items
+        ):
+            return node
+    raise ValueError(f"{prim.name}: no `with T.Kernel(...)` block")
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _reads(node: ast.AST) -> set[str]:
+    """Names subscripted in ``node``: the buffers an expression reads."""
+    return {n.value.id for n in ast.walk(node) if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)}
+
+
+def _tma_slice(node: ast.AST, buffers: list[Buffer], shared_name: str) -> bool:
+    """Whether a global operand of ``T.copy`` is a TMA box for the shared buffer ``shared_name``."""
+    if isinstance(node, ast.Subscript):
+        index = node.slice.elts[-1] if isinstance(node.slice, ast.Tuple) else node.slice
+        if not isinstance(index, ast.Slice):
+            return False
+    buf = next(b for b in buffers if b.name == shared_name)
+    return buf.shape[-1] * DTYPE_BYTES[buf.dtype] >= 16
+
+
+def _subscripted(node: ast.AST) -> str | None:
+    """The buffer a ``T.copy`` argument names: ``X`` or ``X[...]``."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _sequential(loop: ast.For) -> bool:
+    """A loop whose iterations run one after another in each thread (``T.Pipelined``,
+    ``T.serial``, ``range``), not a ``T.Parallel``/``T.unroll`` loop spread over threads or unrolled."""
+    return isinstance(loop.iter, ast.Call) and (
+        _attr(loop.iter.func) in ("Pipelined", "serial") or getattr(loop.iter.func, "id", None) == "range")
+
+
+def _steps(statements: list[ast.stmt], steps: list, loops: list) -> None:
+    """Append the leaf statements of ``statements`` to ``steps`` in program order, every loop and
+    branch opened up (the merge pass's unit of liveness under the aggressive merge); each loop's
+    ``(first step, last step, loop node)`` goes to ``loops``."""
+    for stmt in statements:
+        if isinstance(stmt, ast.For):
+            first = len(steps)
+            _steps(stmt.body, steps, loops)
+            loops.append((first, len(steps) - 1, stmt))
+        elif isinstance(stmt, ast.If):
+            _steps(stmt.body + stmt.orelse, steps, loops)
+        elif isinstance(stmt, ast.With):
+            _steps(stmt.body, steps, loops)
+        else:
+            steps.append(stmt)
+
+
+def _top_level(statements: list[ast.stmt], threads: int, env: dict) -> list[ast.stmt]:
+    """The kernel body's statements as the merge pass sees them after lowering: a ``T.unroll``
+    loop is unrolled and a ``T.Parallel`` loop with as many iterations as threads leaves its body
+    in place (one iteration per thread); any other loop stays one statement (fewer iterations
+    than threads become a guarded branch, one statement too)."""
+    out = []
+    for stmt in statements:
+        kind = _attr(stmt.iter.func) if isinstance(stmt, ast.For) and isinstance(stmt.iter, ast.Call) else None
+        if kind == "unroll" or (kind == "Parallel" and _iterations(stmt.iter, env) == threads):
+            out += _top_level(stmt.body, threads, env)
+        else:
+            out.append(stmt)
+    return out
+
+
+def _iterations(call: ast.Call, env: dict) -> float:
+    """Iterations of a ``T.Parallel(extents...)`` loop; infinite when an extent is not constant."""
+    try:
+        return math.prod(_evaluate(a, env) for a in call.args)
+    except (KeyError, ValueError, TypeError):
+        return math.inf
+
+
+def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, configs: dict, env: dict) -> Kernel:
+    """Read one prim_func: buffers, copies, GEMMs, the pipelined loop and live ranges."""
+    env = dict(env)
+    _bind_constants(outer.body, env)
+    block = _kernel_block(prim)
+    launch = next(i.context_expr for i in block.items if _attr(i.context_expr.func) == "Kernel")
+    threads = next((_evaluate(k.value, env) for k in launch.keywords if k.arg == "threads"), 128)
+    _bind_constants(block.body, env)
+    # Global tensors: the parameters annotated `T.Tensor(...)` (scalars such as `scale` are not).
+    params = {a.arg for a in prim.args.args
+              if isinstance(a.annotation, ast.Call) and _attr(a.annotation.func) in ("Tensor", "Buffer")}
+
+    nodes = list(ast.walk(block))
+    buffers = []
+    for node in nodes:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _attr(node.value.func) in ALLOCATORS:
+            call, scope = node.value, ALLOCATORS[_attr(node.value.func)]
+            args = list(call.args) + [k.value for k in call.keywords if k.arg in ("shape", "dtype")]
+            if scope == "var":
+                shape, dtype = (), args[0]
+            else:
+                shape, dtype = _evaluate(args[0], env), args[1]
+                shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
+            buffers.append(Buffer(node.targets[0].id, scope, tuple(int(s) for s in shape), _evaluate(dtype, env)))
+    shared = {b.name for b in buffers if b.scope == "shared"}
+
+    # A T.copy between global and shared memory can be a TMA copy when its global slice is
+    # contiguous in the innermost dimension (a slice, not an index) and the shared row holds at
+    # least 16 bytes. TileLang lowers stores that way wherever they are, but loads only in a
+    # warp-specialised producer (cuda/op/copy_analysis.cc); other loads are cp.async / SIMT copies.
+    store_tma, load_tma, loads, thread_loads = set(), set(), set(), set()
+    num_stages = None
+    for node in nodes:
+        if isinstance(node, ast.Call) and _attr(node.func) == "copy" and len(node.args) >= 2:
+            src, dst = (_subscripted(a) for a in node.args[:2])
+            if dst in params and src in shared and _tma_slice(node.args[1], buffers, src):
+                store_tma.add(src)
+        if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and _attr(node.iter.func) == "Pipelined":
+            stages = next((k.value for k in node.iter.keywords if k.arg == "num_stages"), None)
+            num_stages = _evaluate(stages, env) if stages is not None else 0
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Call) and _attr(inner.func) == "copy" and len(inner.args) >= 2:
+                    src, dst = (_subscripted(a) for a in inner.args[:2])
+                    if src in params and dst in shared:
+                        loads.add(dst)
+                        if _tma_slice(inner.args[0], buffers, dst):
+                            load_tma.add(dst)
+                if isinstance(inner, ast.Assign) and isinstance(inner.targets[0], ast.Subscript):
+                    dst = _subscripted(inner.targets[0])
+                    if dst in shared and _reads(inner.value) & params:
+                        loads.add(dst)
+                        thread_loads.add(dst)
+    warp_specialized = not configs.get("tl.disable_warp_specialized", False)
+    producer_consumer = warp_specialized and (num_stages or 0) >= 1 and bool(loads)
+
+    # wgmma (M >= 64, 16-bit operands, whole warpgroups, B in shared memory) reads its shared
+    # operands through descriptors, which need 1024-byte alignment; other GEMMs are mma.sync.
+    by_name = {b.name: b for b in buffers}
+    wgmma_shared, accumulators = set(), set()
+    for node in nodes:
+        if isinstance(node, ast.Call) and _attr(node.func) == "gemm" and len(node.args) >= 3:
+            a, b, c = (by_name.get(_subscripted(x)) for x in node.args[:3])
+            if None in (a, b, c):
+                continue
+            if (b.scope == "shared" and c.shape[0] >= 64 and threads % 128 == 0
+                    and DTYPE_BYTES[a.dtype] == DTYPE_BYTES[b.dtype] == 2):
+                wgmma_shared.update(x.name for x in (a, b) if x.scope == "shared")
+                accumulators.add(c.name)
+
+    allocated = {b.name for b in buffers}
+    body = [s for s in block.body if not (isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
+                                          and _attr(s.value.func) in ALLOCATORS)]
+    uses: dict[str, tuple[int, int]] = {}
+    for index, stmt in enumerate(_top_level(body, threads, env)):
+        for buf in _names(stmt) & allocated:
+            first, _ = uses.get(buf, (index, index))
+            uses[buf] = (first, index)
+
+    # Live ranges per leaf statement: a buffer lives from its first to its last mention, and
+    # through the end of a sequential loop it is used in but was alive before (the merge pass
+    # moves such a kill point out to the loop's end). A store reads (position 2i) before it
+    # writes (2i + 1), so its target may take the bytes of a buffer it reads for the last time.
+    steps: list[ast.stmt] = []
+    loops: list[tuple[int, int, ast.For]] = []
+    _steps(body, steps, loops)
+    live: dict[str, tuple[int, int]] = {}
+
+    def touch(names: set[str], position: int) -> None:
+        for buf in names & allocated:
+            live[buf] = (live.get(buf, (position, position))[0], position)
+
+    for index, stmt in enumerate(steps):
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) else getattr(stmt, "target", None)
+        if isinstance(target, ast.Subscript):
+            reads = _names(stmt.value) | _names(target.slice)
+            if isinstance(stmt, ast.AugAssign):
+                reads |= _names(target.value)
+            touch(reads, 2 * index)
+            touch(_names(target.value), 2 * index + 1)
+        else:
+            touch(_names(stmt), 2 * index)
+    for buf, (first, last) in live.items():
+        for start, end, loop in loops:
+            if _sequential(loop) and 2 * start <= last <= 2 * end + 1 and not 2 * start <= first <= 2 * end + 1:
+                last = max(last, 2 * end + 1)
+        live[buf] = (first, last)
+    pipeline_steps = next(((2 * a, 2 * b + 1) for a, b, loop in loops
+                           if isinstance(loop.iter, ast.Call) and _attr(loop.iter.func) == "Pipelined"), None)
+
+    return Kernel(
+        name=name, threads=int(threads), buffers=tuple(buffers), num_stages=num_stages,
+        pipeline_loads=frozenset(loads), thread_loads=frozenset(thread_loads),
+        tma_loads=frozenset(load_tma if producer_consumer else ()), tma_stores=frozenset(store_tma),
+        wgmma_shared=frozenset(wgmma_shared), wgmma_accumulators=frozenset(accumulators), uses=uses,
+        live=live, pipeline_steps=pipeline_steps, warp_specialized=warp_specialized,
+        aggressive_merge=bool(configs.get("tl.enable_aggressive_shared_memory_merge", False)),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_kernels(source: str) -> tuple[Kernel, ...]:
+    """The kernels of a rendered module, in ``programs()`` order, read without running it.
+
+    Args:
+        source (str): the rendered TileLang Python (``tuner.render.render(problem, config)``).
+
+    Returns:
+        tuple[Kernel, ...]: one per ``programs()`` entry (cached by source).
+    """
+    tree = ast.parse(source)
+    env: dict = {}
+    _bind_constants(tree.body, env)
+    return tuple(_parse_kernel(*entry, env) for entry in _programs(tree, env))
