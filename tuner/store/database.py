@@ -28,12 +28,12 @@ import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from . import limits
-from .status import Status
-from .stack import Stack
-from .errors import DatabaseError
-from .paths import is_shipped
-from .problem import Problem
+from .. import limits
+from ..status import Status
+from ..stack import Stack
+from ..errors import DatabaseError
+from ..paths import is_shipped
+from ..problem import Problem
 
 T = TypeVar("T")
 
