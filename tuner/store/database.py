@@ -1,383 +1,38 @@
-"""The results database: every trial's outcome, the winners, their re-measurements and the
-model's calibration points, in the same database as the Optuna study: an SQLite file, or a
-PostgreSQL server that workers on several machines share.
+"""The results database's connection: an SQLite file or a PostgreSQL server, reads and writes of
+records, and the handling of what can go wrong with the file or the server.
 
-Optuna keeps its own tables (``studies``, ``trials``, ...) in that database, so ours carry a
-``tuner_`` prefix: ``tuner_trials``, ``tuner_winners``, ``tuner_history``, ``tuner_calibration``,
-``tuner_claims``. Every access goes through :meth:`Store.session`, which commits, rolls back and
-translates errors; a locked database is waited for and retried, a corrupt or foreign file is
-refused with a :class:`~tuner.errors.DatabaseError` and never written to. Writes that concurrent
-workers may race on (a trial's row, a kernel's claim, a winner) are insert-or-ignore followed by
-a locked read, so the first writer wins and nothing is written twice. Rows leave this module as
-frozen dataclasses.
+Every access goes through :meth:`Store.session`, which commits, rolls back and translates
+errors; a locked database is waited for and retried, a corrupt or foreign file is refused with a
+:class:`~tuner.errors.DatabaseError` and never written to. Writes that concurrent workers may
+race on (a trial's row, a kernel's claim, a winner) are insert-or-ignore followed by a locked
+read, so the first writer wins and nothing is written twice.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sqlite3
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import Session
 
-from . import limits
-from .status import Status
-from .stack import Stack
-from .errors import DatabaseError
-from .paths import is_shipped
-from .problem import Problem
+from .. import limits
+from ..errors import DatabaseError
+from ..paths import is_shipped
+from .records import CalibrationPoint, Measurement, TrialRecord, Winner, utcnow
+from .schema import (STACK_COLUMNS, WINNER_KEY, Base, CalibrationModel, ClaimModel, HistoryModel, TrialModel,
+                     WinnerModel, columns_of, record_of)
 
 T = TypeVar("T")
 
-# Outcomes of a trial, in pipeline order (the values the status column may hold).
-STATUSES = tuple(s.value for s in Status)
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # PostgreSQL advisory lock held while creating tables: concurrent CREATE TABLEs of one name fail.
 SCHEMA_LOCK_KEY = zlib.crc32(b"linattn-tuner schema")
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-# --------------------------------------------------------------------------------------------
-# Shape buckets
-
-
-@dataclass(frozen=True, order=True)
-class ShapeBucket:
-    """A power-of-two bucket of the shape a kernel runs at.
-
-    ``batch * heads`` is the parallel extent of every template's grid and ``seqlen`` the
-    sequential one; each is rounded to the nearest power of two (in log space), so shapes
-    within a factor of ~1.4 share a winner.
-
-    Args:
-        bh (int): the bucket of ``batch * heads``.
-        t (int): the bucket of ``seqlen``.
-    """
-
-    bh: int
-    t: int
-
-    @property
-    def label(self) -> str:
-        return f"bh{self.bh}-t{self.t}"
-
-    def distance(self, other: ShapeBucket) -> int:
-        """Steps of a factor two between the buckets, summed over both axes."""
-        return abs(_log2(self.bh) - _log2(other.bh)) + abs(_log2(self.t) - _log2(other.t))
-
-
-def _log2(n: int) -> int:
-    return n.bit_length() - 1
-
-
-def _round_pow2(n: int) -> int:
-    return 2 ** round(math.log2(n))
-
-
-def shape_bucket(batch: int, seqlen: int, heads: int) -> ShapeBucket:
-    """The :class:`ShapeBucket` of a ``[batch, seqlen, heads]`` problem."""
-    if min(batch, seqlen, heads) < 1:
-        raise ValueError(f"shape must be positive, got batch={batch}, seqlen={seqlen}, heads={heads}")
-    return ShapeBucket(_round_pow2(batch * heads), _round_pow2(seqlen))
-
-
-# --------------------------------------------------------------------------------------------
-# Tables
-
-
-class Base(DeclarativeBase):
-    type_annotation_map = {dict: sa.JSON, Any: sa.JSON}
-
-
-class _ProblemColumns:
-    variant: Mapped[str] = mapped_column(sa.String(32))
-    dk: Mapped[int]
-    dv: Mapped[int]
-    dtype: Mapped[str] = mapped_column(sa.String(8))
-    batch: Mapped[int]
-    seqlen: Mapped[int]
-    heads: Mapped[int]
-
-
-class _EnvironmentColumns:
-    gpu: Mapped[str] = mapped_column(sa.String(128))
-    arch: Mapped[str] = mapped_column(sa.String(16))
-    tilelang: Mapped[str] = mapped_column(sa.String(64))
-    cuda: Mapped[str] = mapped_column(sa.String(64))
-    driver: Mapped[str] = mapped_column(sa.String(64))
-    torch: Mapped[str] = mapped_column(sa.String(64))
-
-
-class TrialModel(_ProblemColumns, _EnvironmentColumns, Base):
-    """One row per finished Optuna trial; (study, number) is unique so a resumed or shared
-    study never records a trial twice."""
-
-    __tablename__ = "tuner_trials"
-    __table_args__ = (
-        sa.UniqueConstraint("study", "number", name="uq_tuner_trials_study_number"),
-        sa.CheckConstraint(f"status IN ({', '.join(repr(s) for s in STATUSES)})", name="ck_tuner_trials_status"),
-    )
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    study: Mapped[str] = mapped_column(sa.String(256), index=True)
-    number: Mapped[int]
-    config: Mapped[dict]
-    digest: Mapped[str | None] = mapped_column(sa.String(32), index=True)
-    status: Mapped[str] = mapped_column(sa.String(16))
-    reason: Mapped[str] = mapped_column(sa.Text, default="")
-    repeat_of: Mapped[int | None]
-    prediction: Mapped[dict | None]
-    compile_report: Mapped[dict | None]
-    gate_errors: Mapped[dict | None]
-    median_ms: Mapped[float | None]
-    p10_ms: Mapped[float | None]
-    p90_ms: Mapped[float | None]
-    compile_seconds: Mapped[float | None]
-    gpu_seconds: Mapped[float | None]
-    started_at: Mapped[datetime | None]
-    finished_at: Mapped[datetime]
-
-
-# What changes the answer to "which config is fastest": everything in a winner's key.
-WINNER_KEY = ("variant", "dk", "dv", "dtype", "bucket_bh", "bucket_t",
-              "gpu", "arch", "tilelang", "cuda", "driver", "digest")
-
-
-class WinnerModel(_ProblemColumns, _EnvironmentColumns, Base):
-    """The fastest config that passed the gate, per key (:data:`WINNER_KEY`)."""
-
-    __tablename__ = "tuner_winners"
-    __table_args__ = (sa.UniqueConstraint(*WINNER_KEY, name="uq_tuner_winners_key"),)
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    bucket_bh: Mapped[int]
-    bucket_t: Mapped[int]
-    digest: Mapped[str] = mapped_column(sa.String(32))
-    config: Mapped[dict]
-    median_ms: Mapped[float]
-    p10_ms: Mapped[float]
-    p90_ms: Mapped[float]
-    spread: Mapped[float]
-    gate_errors: Mapped[dict]
-    study: Mapped[str] = mapped_column(sa.String(256))
-    trial_number: Mapped[int]
-    updated_at: Mapped[datetime]
-
-
-class HistoryModel(_EnvironmentColumns, Base):
-    """A measurement of a winner: at tuning time and at every later ``tune regress``."""
-
-    __tablename__ = "tuner_history"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    winner_id: Mapped[int] = mapped_column(sa.ForeignKey("tuner_winners.id"), index=True)
-    status: Mapped[str] = mapped_column(sa.String(16))
-    median_ms: Mapped[float | None]
-    p10_ms: Mapped[float | None]
-    p90_ms: Mapped[float | None]
-    gate_errors: Mapped[dict | None]
-    digest: Mapped[str | None] = mapped_column(sa.String(64))  # the kernel source that was timed
-    measured_at: Mapped[datetime]
-
-
-class ClaimModel(Base):
-    """Which trial of a study judges a kernel (digest): the first to claim it. Workers that
-    propose the same kernel meanwhile wait for that trial's outcome instead of judging it again."""
-
-    __tablename__ = "tuner_claims"
-    __table_args__ = (sa.UniqueConstraint("study", "digest", name="uq_tuner_claims_study_digest"),)
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    study: Mapped[str] = mapped_column(sa.String(256))
-    digest: Mapped[str] = mapped_column(sa.String(32))
-    number: Mapped[int]
-    claimed_at: Mapped[datetime]
-
-
-class CalibrationModel(Base):
-    """The register model's prediction beside what ptxas reported, per compiled kernel source."""
-
-    __tablename__ = "tuner_calibration"
-    __table_args__ = (sa.UniqueConstraint("digest", "tilelang", "cuda", name="uq_tuner_calibration_digest"),)
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    variant: Mapped[str] = mapped_column(sa.String(32))
-    dk: Mapped[int]
-    dv: Mapped[int]
-    dtype: Mapped[str] = mapped_column(sa.String(8))
-    config: Mapped[dict]
-    digest: Mapped[str] = mapped_column(sa.String(32))
-    predicted_registers: Mapped[int]
-    predicted_smem_bytes: Mapped[int]
-    predicted_spills: Mapped[bool]
-    ptxas_registers: Mapped[int]
-    ptxas_spill_bytes: Mapped[int]
-    ptxas_smem_bytes: Mapped[int]
-    ptxas_wgmma_serialized: Mapped[bool]
-    report: Mapped[dict | None]
-    tilelang: Mapped[str] = mapped_column(sa.String(64))
-    cuda: Mapped[str] = mapped_column(sa.String(64))
-    created_at: Mapped[datetime]
-
-
-# --------------------------------------------------------------------------------------------
-# Rows as they leave the module
-
-
-@dataclass(frozen=True)
-class TrialRecord:
-    """One trial's outcome. ``problem``'s shape is the one timed; ``repeat_of`` names the
-    earlier trial whose kernel (same digest) this trial re-proposed, reusing its outcome."""
-
-    study: str
-    number: int
-    problem: Problem
-    config: dict
-    status: str
-    stack: Stack
-    reason: str = ""
-    digest: str | None = None
-    repeat_of: int | None = None
-    prediction: dict | None = None
-    compile_report: dict | None = None
-    gate_errors: dict | None = None
-    median_ms: float | None = None
-    p10_ms: float | None = None
-    p90_ms: float | None = None
-    compile_seconds: float | None = None
-    gpu_seconds: float | None = None
-    started_at: datetime | None = None
-    finished_at: datetime = field(default_factory=utcnow)
-    id: int | None = None
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
-
-@dataclass(frozen=True)
-class Winner:
-    """The fastest gated config of a key; ``problem``'s shape is the one it was timed at."""
-
-    problem: Problem
-    stack: Stack
-    digest: str
-    config: dict
-    median_ms: float
-    p10_ms: float
-    p90_ms: float
-    gate_errors: dict
-    study: str
-    trial_number: int
-    updated_at: datetime = field(default_factory=utcnow)
-    id: int | None = None
-
-    @property
-    def bucket(self) -> ShapeBucket:
-        return shape_bucket(self.problem.batch, self.problem.seqlen, self.problem.heads)
-
-    @property
-    def spread(self) -> float:
-        """(p90 - p10) / median: the relative noise of the timing."""
-        return (self.p90_ms - self.p10_ms) / self.median_ms
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One (re-)measurement of a stored winner."""
-
-    winner_id: int
-    status: str
-    stack: Stack
-    median_ms: float | None = None
-    p10_ms: float | None = None
-    p90_ms: float | None = None
-    gate_errors: dict | None = None
-    digest: str | None = None
-    measured_at: datetime = field(default_factory=utcnow)
-    id: int | None = None
-
-
-@dataclass(frozen=True)
-class CalibrationPoint:
-    """The model's prediction and ptxas' report for one compiled kernel source."""
-
-    variant: str
-    dk: int
-    dv: int
-    dtype: str
-    config: dict
-    digest: str
-    predicted_registers: int
-    predicted_smem_bytes: int
-    predicted_spills: bool
-    ptxas_registers: int
-    ptxas_spill_bytes: int
-    ptxas_smem_bytes: int
-    ptxas_wgmma_serialized: bool
-    tilelang: str
-    cuda: str
-    report: dict | None = None
-    created_at: datetime = field(default_factory=utcnow)
-    id: int | None = None
-
-
-_PROBLEM_FIELDS = ("variant", "dk", "dv", "dtype", "batch", "seqlen", "heads")
-_ENV_FIELDS = ("gpu", "arch", "tilelang", "cuda", "driver", "torch")
-
-
-def _problem_of(row) -> Problem:
-    return Problem(**{f: getattr(row, f) for f in _PROBLEM_FIELDS})
-
-
-def _stack_of(row) -> Stack:
-    return Stack(**{f: getattr(row, f) for f in _ENV_FIELDS})
-
-
-def _flat(obj, nested: dict[str, tuple[str, ...]]) -> dict:
-    """A record's fields as column values, the nested problem and stack spread out."""
-    out = {}
-    for name in obj.__dataclass_fields__:
-        value = getattr(obj, name)
-        if name in nested:
-            out.update({f: getattr(value, f) for f in nested[name]})
-        elif name != "id":
-            out[name] = value
-    return out
-
-
-def _trial_of(row: TrialModel) -> TrialRecord:
-    plain = {f: getattr(row, f) for f in TrialRecord.__dataclass_fields__ if f not in ("problem", "stack")}
-    return TrialRecord(problem=_problem_of(row), stack=_stack_of(row), **plain)
-
-
-def _winner_of(row: WinnerModel) -> Winner:
-    plain = {f: getattr(row, f) for f in Winner.__dataclass_fields__ if f not in ("problem", "stack")}
-    return Winner(problem=_problem_of(row), stack=_stack_of(row), **plain)
-
-
-def _measurement_of(row: HistoryModel) -> Measurement:
-    plain = {f: getattr(row, f) for f in Measurement.__dataclass_fields__ if f != "stack"}
-    return Measurement(stack=_stack_of(row), **plain)
-
-
-def _calibration_of(row: CalibrationModel) -> CalibrationPoint:
-    return CalibrationPoint(**{f: getattr(row, f) for f in CalibrationPoint.__dataclass_fields__})
-
-
-# --------------------------------------------------------------------------------------------
-# The store
 
 
 def sqlite_path(path_or_url: str | os.PathLike) -> str | None:
@@ -589,7 +244,7 @@ class Store:
 
     def record_trial(self, record: TrialRecord) -> bool:
         """Insert ``record`` unless its (study, number) is already there. True if inserted."""
-        values = _flat(record, {"problem": _PROBLEM_FIELDS, "stack": _ENV_FIELDS})
+        values = columns_of(record)
         return self.run(lambda s: _insert_ignore(s, TrialModel, values, ("study", "number")))
 
     def trials(self, study: str | None = None, digest: str | None = None) -> list[TrialRecord]:
@@ -601,7 +256,7 @@ class Store:
             query = query.where(TrialModel.study == study)
         if digest is not None:
             query = query.where(TrialModel.digest == digest)
-        return self.run(lambda s: [_trial_of(r) for r in s.scalars(query)])
+        return self.run(lambda s: [record_of(TrialRecord, r) for r in s.scalars(query)])
 
     # ---- claims
 
@@ -633,7 +288,7 @@ class Store:
         """
         if gate_status != "pass":
             raise ValueError(f"a winner must have passed the gate, this one is {gate_status!r}")
-        values = _flat(winner, {"problem": _PROBLEM_FIELDS, "stack": _ENV_FIELDS})
+        values = columns_of(winner)
         values.update(bucket_bh=winner.bucket.bh, bucket_t=winner.bucket.t, spread=winner.spread)
 
         def work(s: Session) -> Winner:
@@ -644,15 +299,15 @@ class Store:
             row = s.scalars(sa.select(WinnerModel).filter_by(**key).with_for_update()).one()
             if not inserted:
                 if row.median_ms <= winner.median_ms:
-                    return _winner_of(row)
+                    return record_of(Winner, row)
                 for k, v in values.items():
                     setattr(row, k, v)
                 s.flush()
             s.add(HistoryModel(winner_id=row.id, status=gate_status, median_ms=winner.median_ms,
                                p10_ms=winner.p10_ms, p90_ms=winner.p90_ms, gate_errors=winner.gate_errors,
                                digest=winner.digest, measured_at=winner.updated_at,
-                               **{f: values[f] for f in _ENV_FIELDS}))
-            return _winner_of(row)
+                               **{f: values[f] for f in STACK_COLUMNS}))
+            return record_of(Winner, row)
 
         return self.run(work)
 
@@ -661,19 +316,19 @@ class Store:
         if not self._has_tables:
             return []
         query = sa.select(WinnerModel).filter_by(**where).order_by(WinnerModel.id)
-        return self.run(lambda s: [_winner_of(r) for r in s.scalars(query)])
+        return self.run(lambda s: [record_of(Winner, r) for r in s.scalars(query)])
 
     # ---- history
 
     def add_measurement(self, measurement: Measurement) -> Measurement:
         """Append a re-measurement of a stored winner."""
-        values = _flat(measurement, {"stack": _ENV_FIELDS})
+        values = columns_of(measurement)
 
         def work(s: Session) -> Measurement:
             row = HistoryModel(**values)
             s.add(row)
             s.flush()
-            return _measurement_of(row)
+            return record_of(Measurement, row)
 
         return self.run(work)
 
@@ -684,13 +339,13 @@ class Store:
         query = sa.select(HistoryModel).order_by(HistoryModel.measured_at, HistoryModel.id)
         if winner_id is not None:
             query = query.where(HistoryModel.winner_id == winner_id)
-        return self.run(lambda s: [_measurement_of(r) for r in s.scalars(query)])
+        return self.run(lambda s: [record_of(Measurement, r) for r in s.scalars(query)])
 
     # ---- calibration
 
     def add_calibration(self, point: CalibrationPoint) -> None:
         """Insert ``point``, replacing an earlier one of the same source, TileLang and CUDA."""
-        values = _flat(point, {})
+        values = columns_of(point)
 
         def work(s: Session) -> None:
             s.execute(sa.delete(CalibrationModel).filter_by(digest=point.digest, tilelang=point.tilelang,
@@ -704,7 +359,7 @@ class Store:
         if not self._has_tables:
             return []
         query = sa.select(CalibrationModel).filter_by(**where).order_by(CalibrationModel.id)
-        return self.run(lambda s: [_calibration_of(r) for r in s.scalars(query)])
+        return self.run(lambda s: [record_of(CalibrationPoint, r) for r in s.scalars(query)])
 
 
 def _insert_ignore(session: Session, model, values: dict, unique: tuple[str, ...]) -> bool:
@@ -720,8 +375,3 @@ def _insert_ignore(session: Session, model, values: dict, unique: tuple[str, ...
     statement = insert(model).values(**values).on_conflict_do_nothing(index_elements=list(unique))
     return session.execute(statement.returning(model.id)).first() is not None
 
-
-__all__ = [
-    "STATUSES", "WINNER_KEY", "ShapeBucket", "shape_bucket", "Store", "TrialRecord", "Winner",
-    "Measurement", "CalibrationPoint", "check_sqlite_file", "sqlite_path",
-]

@@ -1,0 +1,123 @@
+"""Static screen of generated CUDA for barriers that not every thread they wait for can reach.
+
+A fused scalar-decay kernel (one block per DV slice, [C]-shaped weight fragments) deadlocked on
+the H200 because TileLang 0.1.15 emitted a 128-thread barrier inside
+``if ((((int)threadIdx.x) >> 6) == 0) {``, a branch only 64 of the 128 threads enter. Looking for
+"a barrier under an ``if``" is not enough: warp-specialised kernels open with
+``if (((int)threadIdx.x) < 128) {`` and call ``tl::__sync_thread_partial(id, 128)`` inside, which
+every entering thread reaches. So the screen counts: for each barrier it evaluates the conditions
+of the enclosing branches over ``threadIdx.x`` in ``range(block size)`` (an ``else`` negates the
+conditions of its chain, nested branches combine) and rejects when fewer threads enter than the
+barrier waits for. A condition that does not depend on the thread index is uniform and ignored.
+
+A thread-dependent condition the evaluator cannot read (a loop variable, a value loaded from
+memory, ``threadIdx.y``) yields a ``cannot_evaluate`` finding that does NOT reject: a false
+rejection throws away a config for good, while a missed deadlock costs one watchdog timeout in
+the gate, which reports it as ``hang``.
+
+:mod:`.source` finds the kernels, branches, barriers and integer locals in the source (the
+barriers it recognises are listed there); :mod:`.condition` evaluates a branch condition for
+every thread (what a condition may use is listed there).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .condition import CannotEvaluate, evaluate_condition
+from .source import Kernel, barriers, blank_comments_and_strings, branches, integer_definitions, kernels, line_of
+
+__all__ = ["Finding", "screen", "CannotEvaluate", "evaluate_condition"]
+
+# Finding kinds.
+PARTIAL_BARRIER = "barrier_in_partial_branch"
+CANNOT_EVALUATE = "cannot_evaluate"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One screen result. ``rejects``: the kernel must not be run (it would deadlock)."""
+
+    kind: str
+    line: int
+    message: str
+    kernel: str = ""
+
+    @property
+    def rejects(self) -> bool:
+        return self.kind == PARTIAL_BARRIER
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Finding":
+        return cls(**d)
+
+
+def screen(cuda_source: str, threads: int | None = None) -> list[Finding]:
+    """Barriers in ``cuda_source`` that fewer threads reach than they wait for.
+
+    Args:
+        cuda_source (str): CUDA C++ as TileLang generates it (``kernel.get_kernel_source()``); may
+            hold several ``__global__`` kernels.
+        threads (int): threads per block. Used for kernels without ``__launch_bounds__``; the
+            launch bound wins where present, since warp specialisation adds a producer warpgroup
+            to the ``threads`` a program asks for. Default: None.
+
+    Returns:
+        list[Finding]: ``barrier_in_partial_branch`` findings (reject) and ``cannot_evaluate``
+        findings (for a human; do not reject), in source order. Empty for a clean kernel.
+    """
+    text = blank_comments_and_strings(cuda_source)
+    findings = []
+    for kernel in kernels(text):
+        block = kernel.launch_bound or threads
+        if block is None:
+            findings.append(Finding(CANNOT_EVALUATE, kernel.line, "no __launch_bounds__ and no thread count given; "
+                                                                 "barriers not checked", kernel.name))
+            continue
+        findings += _screen_kernel(cuda_source, text, kernel, block)
+    return findings
+
+
+def _screen_kernel(src: str, text: str, kernel: Kernel, block: int) -> list[Finding]:
+    """The findings of one kernel run by ``block`` threads (``text``: ``src`` blanked)."""
+    try:
+        kernel_branches = branches(text, kernel.body_start, kernel.body_end)
+    except CannotEvaluate as e:
+        return [Finding(CANNOT_EVALUATE, kernel.line, f"could not parse the kernel body: {e}", kernel.name)]
+    definitions = integer_definitions(text[kernel.body_start:kernel.body_end])
+    tx = np.arange(block, dtype=np.int64)
+    findings = []
+    for barrier in barriers(src, text, kernel.body_start, kernel.body_end):
+        line = line_of(text, barrier.pos)
+        if not barrier.count_is_constant:
+            findings.append(Finding(CANNOT_EVALUATE, line, f"barrier count not a constant: {barrier.text}",
+                                    kernel.name))
+            continue
+        waits_for = block if barrier.count is None else barrier.count
+        entered = np.ones(block, dtype=bool)
+        innermost = None
+        try:
+            for branch in sorted((b for b in kernel_branches if b.start <= barrier.pos < b.end), key=lambda b: b.start):
+                for cond, wanted in branch.conditions:
+                    mask = evaluate_condition(cond, tx, definitions)
+                    if mask is None:
+                        continue  # uniform across the block
+                    entered &= mask if wanted else ~mask
+                    innermost = (cond, wanted, branch.line)
+        except CannotEvaluate as e:
+            findings.append(Finding(CANNOT_EVALUATE, line, f"{barrier.text} inside a branch whose condition "
+                                                           f"cannot be evaluated ({e})", kernel.name))
+            continue
+        count = int(entered.sum())
+        if count < waits_for:
+            cond, wanted, cond_line = innermost
+            where = f"if ({cond})" if wanted else f"else of if ({cond})"
+            findings.append(Finding(PARTIAL_BARRIER, line,
+                                    f"barrier for {waits_for} threads inside a branch entered by {count} threads: "
+                                    f"{barrier.text} under `{where}` (line {cond_line}), block of {block}",
+                                    kernel.name))
+    return findings
