@@ -1,6 +1,7 @@
 """`tune dashboard` on a real SQLite file built through tuner.store: the site opens from disk in
-a headless Chromium with no console error and no request leaving the folder, draws its charts,
-and marks the recorded slowdown (and only that one)."""
+a headless Chromium (Selenium, chromedriver) with no console error and no request leaving the
+folder, draws its charts (matplotlib's SVG, inlined), and marks the recorded slowdown (and only
+that one)."""
 import json
 import random
 import re
@@ -13,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tuner.dashboard import nice_ticks, parameter_effects
+from tuner.dashboard.data import parameter_effects
 from tuner.stack import Stack
 from tuner.problem import Problem
 from tuner.store import CalibrationPoint, Measurement, Store, TrialRecord, Winner
 
-from browser import Browser, chromium
+from browser import Browser, missing
 
 H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
 UPGRADED = replace(H200, tilelang="0.1.16")
@@ -118,9 +119,37 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_site_has_an_index_a_page_per_problem_and_the_model_page(site):
     names = {p.name for p in site.iterdir()}
     assert {"index.html", "style.css", "model.html", page_name(SLOW), page_name(STEADY)} <= names
-    for page in site.glob("*.html"):  # self-contained: nothing but local relative links
-        for url in re.findall(r'(?:src|href)="([^"]+)"', page.read_text()):
+    for page in site.glob("*.html"):  # self-contained: no script, nothing but local relative links
+        text = page.read_text()
+        assert "<script" not in text, page.name
+        for url in re.findall(r'(?:src|href)="([^"]+)"', text):
             assert "://" not in url and not url.startswith("//"), (page.name, url)
+
+
+def test_each_page_names_an_element_once_and_finds_what_its_charts_refer_to(site):
+    # Several SVGs inlined in one page share one id space: a repeated id would make a chart's
+    # marker or clip path resolve to another chart's.
+    for page in site.glob("*.html"):
+        text = page.read_text()
+        ids = re.findall(r'\sid="([^"]+)"', text)
+        assert len(ids) == len(set(ids)), page.name
+        referred = set(re.findall(r'url\(#([^)]+)\)', text)) | set(re.findall(r'href="#([^"]+)"', text))
+        assert referred and referred <= set(ids), (page.name, referred - set(ids))
+
+
+def test_names_from_the_database_are_shown_as_written(tmp_path):
+    # Escaped in the page's table, and drawn literally in the chart (a "$" is not mathematics there).
+    store = Store(tmp_path / "r.db")
+    name = "<b>$x$</b>"
+    for n, (value, ms) in enumerate([("a", 1.0), ("b", 1.5)]):
+        store.record_trial(TrialRecord("s", n, STEADY, {name: value}, "pass", H200, median_ms=ms, p10_ms=ms,
+                                       p90_ms=ms, gpu_seconds=1.0))
+    store.close()
+    assert run_tune("dashboard", "--db", str(tmp_path / "r.db"), "--out", str(tmp_path / "site")).returncode == 0
+    text = (tmp_path / "site" / page_name(STEADY)).read_text()
+    assert "<b>" not in text
+    assert ">&lt;b&gt;$x$&lt;/b&gt;</text>" in text  # the chart's label, one text element
+    assert text.count("&lt;b&gt;$x$&lt;/b&gt;") == 3  # that label, its bar's tooltip, the table's row
 
 
 @pytest.mark.parametrize("slowdown, code", [(True, 1), (False, 0)])
@@ -163,14 +192,7 @@ def test_parameter_effects_rank_what_a_wrong_choice_costs():
     assert per1 == {"fused": (2.0, 2), "chunked": (1.0, 2)}  # the failed trial is not timed
 
 
-@pytest.mark.parametrize("lo, hi, count, expected", [(0, 1, 5, [0, 0.2, 0.4, 0.6, 0.8, 1.0]),
-                                                     (0.93, 1.41, 3, [1.0, 1.2, 1.4]), (3, 3, 5, [3])])
-def test_axis_ticks_are_round_numbers_inside_the_range(lo, hi, count, expected):
-    assert nice_ticks(lo, hi, count) == pytest.approx(expected)
-
-
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="Chromium is not installed "
-                                    "(apt-get install -y chromium); the browser tests need it")
+needs_browser = pytest.mark.skipif(missing() is not None, reason=f"{missing()}; the browser tests need it")
 
 
 @pytest.fixture(scope="module")
@@ -182,58 +204,62 @@ def browser():
 def open_clean(browser, path: Path):
     page = browser.open(path)
     assert page.problems == [], page.problems
-    assert all(url.startswith("file://") for url in page.requested), page.requested
+    folder = path.parent.resolve().as_uri() + "/"
+    assert page.requested and all(url.startswith(folder) for url in page.requested), page.requested
     assert page.evaluate("getComputedStyle(document.body).margin") == "0px"  # style.css was applied
     return page
 
 
-@needs_chromium
+@needs_browser
 def test_problem_page_marks_the_slowdown_and_the_upgrade_that_caused_it(site, browser):
     page = open_clean(browser, site / page_name(SLOW))
     count = "n => document.querySelectorAll(n).length"
     assert page.evaluate(f"({count})('svg.chart-history')") == 1
-    markers = page.evaluate("[...document.querySelectorAll('svg.chart-history .marker.regressed')]"
-                            ".map(m => m.getBoundingClientRect().height > 0)")
+    drawn = "m => m.getBoundingClientRect().height > 0"
+    markers = page.evaluate(f"[...document.querySelectorAll('svg.chart-history .marker.regressed')].map({drawn})")
     assert markers == [True]  # one regression marker, rendered with a size
-    assert page.evaluate(f"({count})('svg.chart-history circle.point')") == 3
+    assert page.evaluate(f"({count})('svg.chart-history .point')") == 3
     assert page.evaluate(f"({count})('svg.chart-history .reference-band')") == 1
-    change = page.evaluate("document.querySelector('svg.chart-history .stack-change').textContent")
-    assert "tilelang 0.1.16" in change and "tilelang 0.1.15 -> 0.1.16" in change
+    lines = page.evaluate("[...document.querySelectorAll('svg.chart-history .stack-change:not(.label)')]"
+                          f".map(g => [g.textContent.trim(), ({drawn})(g)])")
+    assert lines == [["tilelang 0.1.15 -> 0.1.16", True]]  # one dashed line, its tooltip says what changed
+    label = page.evaluate("document.querySelector('svg.chart-history .stack-change.label').textContent")
+    assert label.strip() == "tilelang 0.1.16"
     flagged = page.evaluate("[...document.querySelectorAll('#history tr.flagged')].map(r => r.textContent)")
     assert len(flagged) == 1 and "regressed" in flagged[0] and "tilelang 0.1.15 -> 0.1.16" in flagged[0]
     for chart in ("chart-convergence", "chart-convergence-gpu", "chart-parameters", "chart-fla"):
-        assert page.evaluate(f"({count})('svg.{chart} polyline, svg.{chart} rect.bar')") > 0, chart
+        assert page.evaluate(f"({count})('svg.{chart} .series, svg.{chart} .bar')") > 0, chart
     assert page.evaluate("document.querySelector('#winners').textContent").count("main: ") == 1
     width, height = png_size(page.screenshot(site.parent / "dashboard-regressed.png"))
     assert width == 1280 and height > 900
 
 
-@needs_chromium
+@needs_browser
 def test_steady_page_has_no_regression_marker(site, browser):
     page = open_clean(browser, site / page_name(STEADY))
-    assert page.evaluate("document.querySelectorAll('svg.chart-history circle.point').length") == 3
+    assert page.evaluate("document.querySelectorAll('svg.chart-history .point').length") == 3
     assert page.evaluate("document.querySelectorAll('.marker, tr.flagged').length") == 0
     assert "driver 575.51.03" in page.evaluate("document.querySelector('svg.chart-history').textContent")
     assert page.evaluate("document.querySelector('#vs-fla').textContent").count("not measured") == 1
 
 
-@needs_chromium
+@needs_browser
 def test_index_lists_both_problems_with_the_slowdown_flagged(site, browser):
     page = open_clean(browser, site / "index.html")
     rows = page.evaluate("[...document.querySelectorAll('#problems tbody tr')]"
                          ".map(r => [r.className, r.querySelector('.badge').dataset.verdict])")
     assert rows == [["flagged", "regressed"], ["", "steady"]]
     assert page.evaluate("document.querySelectorAll('#problems svg.chart-sparkline').length") == 2
-    assert page.evaluate("document.querySelectorAll('svg.chart-fla rect.bar').length") == 3
+    assert page.evaluate("document.querySelectorAll('svg.chart-fla .bar').length") == 3
     links = page.evaluate("[...document.querySelectorAll('a')].map(a => a.getAttribute('href'))")
     assert {page_name(SLOW), page_name(STEADY), "model.html"} <= set(links)
     png_size(page.screenshot(site.parent / "dashboard-index.png"))
 
 
-@needs_chromium
+@needs_browser
 def test_model_page_rings_the_spill_miss(site, browser):
     page = open_clean(browser, site / "model.html")
-    assert page.evaluate("document.querySelectorAll('svg.chart-calibration circle.calibration').length") == 4
-    assert page.evaluate("document.querySelectorAll('svg.chart-calibration circle.miss').length") == 1
+    assert page.evaluate("document.querySelectorAll('svg.chart-calibration .calibration').length") == 4
+    assert page.evaluate("document.querySelectorAll('svg.chart-calibration .calibration.miss').length") == 1
     assert "chunk_size=96" in page.evaluate("document.querySelector('#misses').textContent")
     png_size(page.screenshot(site.parent / "dashboard-model.png"))
