@@ -83,11 +83,21 @@ def violations(problem: Problem, config: dict) -> list[str]:
 
 def check(problem: Problem, config: dict) -> tuple[list[str], Candidate | None]:
     """The reasons ``config`` is refused for ``problem``, and its candidate when there are none.
+    The answer is kept for the configs checked last, so a config the search looks at several times
+    (a nearest valid config, then its proposal, then the summary) is rendered once.
 
     Raises:
         RenderError: the template fails to render the config (a template bug).
     """
-    config = spaces.load(problem.variant).normalise(config)
+    space = spaces.load(problem.variant)
+    config = space.normalise(config)
+    reasons, candidate = _checked(problem, tuple(config.items()), id(space))
+    return list(reasons), candidate
+
+
+@functools.lru_cache(maxsize=512)
+def _checked(problem: Problem, items: tuple, space_id: int) -> tuple[tuple[str, ...], Candidate | None]:
+    config = dict(items)
     sources: list[str] = []
 
     def measures() -> dict:
@@ -96,10 +106,10 @@ def check(problem: Problem, config: dict) -> tuple[list[str], Candidate | None]:
 
     reasons = spaces.load(problem.variant).violations(problem, config, measures)
     if reasons:
-        return reasons, None
+        return tuple(reasons), None
     twin = None
     if twin_config(config) is not None:
         twin_reasons, twin = check(problem, twin_config(config))
         if twin_reasons:
-            return [f"its num_stages = 0 twin, which the gate compares it with, is refused: {'; '.join(twin_reasons)}"], None
-    return [], Candidate(problem, config, sources[0] if sources else render(problem, config), twin)
+            return (f"its num_stages = 0 twin, which the gate compares it with, is refused: {'; '.join(twin_reasons)}",), None
+    return (), Candidate(problem, config, sources[0] if sources else render(problem, config), twin)

@@ -209,7 +209,9 @@ def build_kernels(candidate, *, arch: str = "sm_90a", cache_dir=None):
                         report.kernels.append(kernel_report)
         except Exception as e:  # noqa: BLE001 - any failure to build is the compile result
             # Neither is the kernel's outcome: stored, it would pass for a compile error in every later run.
-            if interrupted:
+            # A Ctrl-C reaches nvcc's stages too, and one may die of it (signal 2) before this
+            # process has run its own handler.
+            if interrupted or "died due to signal 2" in str(e):
                 raise KeyboardInterrupt(f"compile of {candidate.name} interrupted") from e
             if "died due to signal" in str(e):  # nvcc's words for a stage killed (the OOM killer, a kill)
                 raise CompilerKilled(f"{_trim(e)} (not cached: compiled again when asked again)") from e

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UserError
+from .inputs import retention_log_decay
 from .lookup import best_config
 from .problem import Problem
 from .candidate import Candidate
@@ -283,8 +284,6 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
 
 @functools.lru_cache(maxsize=64)
 def _retention_decay(heads: int, device: torch.device) -> torch.Tensor:
-    from .ops import retention_log_decay
-
     return retention_log_decay(heads, device)
 
 

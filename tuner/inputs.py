@@ -159,3 +159,8 @@ def check_layout(variant: str, q, k, v, g=None, beta=None, initial_state=None, e
         if t is not None and t.device != q.device:
             raise error(f"{name} is on {t.device} but q is on {q.device}; put all inputs on one device")
     return B, T, H, DK, DV
+
+
+def retention_log_decay(heads: int, device=None) -> torch.Tensor:
+    """RetNet's per-head log decay, as FLA's ``chunk_retention`` uses: log(1 - 2^(-5 - h))."""
+    return (1 - 2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float, device=device))).log()

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from .errors import UserError
-from .inputs import check_layout
+from .inputs import check_layout, retention_log_decay
 from .lookup import best_config
 from .problem import Problem
 from .candidate import Candidate
@@ -105,11 +105,6 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
         k_cum = k_cum + z_init.float()
     o = (o.float() / ((q.float() * scale * k_cum).sum(-1, keepdim=True) + 1e-10)).to(o.dtype)
     return o, ((final_state, k_cum[:, -1:].to(k.dtype)) if output_final_state else None)
-
-
-def retention_log_decay(heads: int, device=None) -> torch.Tensor:
-    """RetNet's per-head log decay, as FLA's ``chunk_retention`` uses: log(1 - 2^(-5 - h))."""
-    return (1 - 2.0 ** (-5.0 - torch.arange(heads, dtype=torch.float, device=device))).log()
 
 
 def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
