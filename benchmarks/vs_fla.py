@@ -1,11 +1,14 @@
 """Our tuned kernels against FLA and the memory-bound floor, side by side in one run.
 
-For every variant and shape: the same inputs go through ``tuner.ops`` (the stored winner for
-this GPU) and FLA's op (with ``FLA_DISABLE_BACKEND_DISPATCH=1``, so FLA runs its own Triton
-kernels); both are timed with CUDA events and an L2 flush; the outputs are compared with each
-other (relative L2 of the output and of the final state, for every ``tuner.ops`` function of the
-variant, against the gate's tolerance) and the floor is the time to move the bytes that must move at the copy rate
-measured on the H200. Prints a table and writes JSON; each row names the command that measured it.
+For every variant and shape: the same inputs go through ``tuner.ops`` with ``backend="tuner"``
+(the stored winner for this GPU), FLA's op (with ``FLA_DISABLE_BACKEND_DISPATCH=1``, so FLA runs
+its own Triton kernels) and ``tuner.ops`` with ``backend="auto"`` (the dispatch: FLA where a stored
+baseline beats the winner, ``tuner.lookup``); all three are timed with CUDA events and an L2 flush.
+The dispatch column is its time over the faster of the other two, which must stay within
+:data:`DISPATCH_LIMIT` (the run exits 1 otherwise). The outputs are compared with each other
+(relative L2 of the output and of the final state, for every ``tuner.ops`` function of the variant,
+against the gate's tolerance) and the floor is the time to move the bytes that must move at the copy
+rate measured on the H200. Prints a table and writes JSON; each row names the command that measured it.
 
     FLA_DISABLE_BACKEND_DISPATCH=1 TRITON_CACHE_AUTOTUNING=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
 
@@ -26,13 +29,15 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 
 import torch  # noqa: E402
 
-from tuner import ops  # noqa: E402
+from tuner import best_config, ops  # noqa: E402
 from tuner.bench import memory_floor_ms, time_forward  # noqa: E402
 from tuner.inputs import make_inputs  # noqa: E402
 from tuner.problem import Problem, parse_shape  # noqa: E402
 from tuner.variants import VARIANTS  # noqa: E402
 
 SHAPES = ((4, 8192, 16), (1, 32768, 32), (16, 2048, 32))
+# What the dispatch may cost over the faster of the tuner's kernel and FLA's: timing noise, no more.
+DISPATCH_LIMIT = 1.02
 
 
 def fla_ops():
@@ -92,34 +97,52 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> d
     row = {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": B, "seqlen": T, "heads": H,
            "floor_ms": memory_floor_ms(problem)}
     try:
-        ours, fla = op_calls(ops, variant, x), op_calls(fla_ops(), variant, x)
-        with_state = op_calls(ops, variant, x, output_final_state=True), op_calls(fla_ops(), variant, x,
-                                                                               output_final_state=True)
+        ours, fla = op_calls(ops, variant, x, backend="tuner"), op_calls(fla_ops(), variant, x)
+        with_state = (op_calls(ops, variant, x, backend="tuner", output_final_state=True),
+                      op_calls(fla_ops(), variant, x, output_final_state=True))
         row["vs_fla"] = {name: compare(with_state[0][name], with_state[1][name], problem.tolerance) for name in ours}
         row["rel_l2_vs_fla"] = max(max(c["o"], c["final_state"]) for c in row["vs_fla"].values())
         row["within_tolerance"] = all(c["within_tolerance"] for c in row["vs_fla"].values())
         ours, fla = next(iter(ours.values())), next(iter(fla.values()))
+        dispatch = next(iter(op_calls(ops, variant, x, backend="auto").values()))
         row["ours_ms"] = time_forward(ours).median_ms
         row["fla_ms"] = time_forward(fla).median_ms
+        row["dispatch_ms"] = time_forward(dispatch).median_ms
+        row["dispatch_backend"] = best_config(variant, dk, dk, dtype, B, T, H, backend="auto").backend
         row["ratio"] = row["ours_ms"] / row["fla_ms"]
+        row["dispatch_vs_best"] = dispatch_vs_best(row)
         row["floor_fraction"] = row["floor_ms"] / row["ours_ms"]
     except Exception as e:  # noqa: BLE001 - one failure is a row, the run goes on
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     return row
 
 
+def dispatch_vs_best(row: dict) -> float:
+    """The dispatch's time over the faster of the tuner's kernel and FLA's."""
+    return row["dispatch_ms"] / min(row["ours_ms"], row["fla_ms"])
+
+
+def over_the_limit(rows: list[dict]) -> list[dict]:
+    """The rows whose dispatch costs more than :data:`DISPATCH_LIMIT` over the faster of the two, or
+    that failed to measure."""
+    return [r for r in rows if "error" in r or r["dispatch_vs_best"] > DISPATCH_LIMIT]
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'variant':<11}{'D':>4} {'B x T x H':<13}{'ours ms':>9}{'FLA ms':>9}{'ours/FLA':>9}{'floor ms':>9}"
-            f"{'floor/ours':>11}{'relL2':>9}  tol")
+    head = (f"{'variant':<11}{'D':>4} {'B x T x H':<13}{'ours ms':>9}{'FLA ms':>9}{'ours/FLA':>9}{'dispatch':>9}"
+            f"{'disp/best':>10}  {'runs':<6}{'floor ms':>9}{'floor/ours':>11}{'relL2':>9}  tol")
     lines = [head, "-" * len(head)]
     for r in rows:
         shape = f"{r['batch']}x{r['seqlen']}x{r['heads']}"
         if "error" in r:
             lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}  error: {r['error'][:80]}")
             continue
+        # Rows measured before the dispatch column was added have none.
+        dispatch = (f"{r['dispatch_ms']:>9.3f}{r['dispatch_vs_best']:>10.3f}  {r['dispatch_backend']:<6}"
+                    if "dispatch_ms" in r else f"{'-':>9}{'-':>10}  {'-':<6}")
         lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}{r['ours_ms']:>9.3f}{r['fla_ms']:>9.3f}"
-                     f"{r['ratio']:>9.2f}{r['floor_ms']:>9.3f}{r['floor_fraction']:>11.2f}{r['rel_l2_vs_fla']:>9.1e}"
-                     f"  {'ok' if r['within_tolerance'] else 'OVER'}")
+                     f"{r['ratio']:>9.2f}{dispatch}{r['floor_ms']:>9.3f}{r['floor_fraction']:>11.2f}"
+                     f"{r['rel_l2_vs_fla']:>9.1e}  {'ok' if r['within_tolerance'] else 'OVER'}")
     return "\n".join(lines)
 
 
@@ -149,7 +172,12 @@ def main(argv=None) -> int:
                     json.dump(merge(earlier, rows), f, indent=1)
     print(f"\n{gpu}, {args.dtype}, forward only; FLA with FLA_DISABLE_BACKEND_DISPATCH=1")
     print(table(rows))
-    return 0
+    over = over_the_limit(rows)
+    for r in over:
+        print(f"vs_fla: {r['variant']} D{r['dk']} {r['batch']}x{r['seqlen']}x{r['heads']}: "
+              + (r["error"] if "error" in r else f"the dispatch is {r['dispatch_vs_best']:.3f}x the faster of ours "
+                 f"and FLA (limit {DISPATCH_LIMIT})"), file=sys.stderr)
+    return 1 if over else 0
 
 
 def row_key(row: dict) -> tuple:

@@ -1,9 +1,11 @@
 """best_config against real SQLite files: every fallback level, the stale-row rule, the overlay
-of the user's database on the shipped one, memoisation and reading beside a writer."""
+of the user's database on the shipped one, memoisation and reading beside a writer, and the backend:
+FLA where its stored baseline beats the winner, with FLA absent and present (the stand-in)."""
 import dataclasses
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import pytest
 
@@ -12,7 +14,8 @@ from tuner.stack import Stack
 from tuner.lookup import best_config
 from tuner.problem import Problem
 from tuner.candidate import Candidate
-from tuner.store import Store, Winner
+from tuner.errors import UserError
+from tuner.store import Baseline, Store, Winner
 
 H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "13.0.88", "570.86.15", "2.13.0")
 H100 = dataclasses.replace(H200, gpu="NVIDIA H100 80GB HBM3")
@@ -36,8 +39,8 @@ def no_shipped_db(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # no per-user database either
 
 
-def ask(db, env=H200, **shape):
-    return best_config("linear", 64, device=env, db=db, **shape)
+def ask(db, env=H200, **options):
+    return best_config("linear", 64, device=env, db=db, **options)
 
 
 def test_exact(tmp_path):
@@ -114,8 +117,6 @@ def test_the_user_database_overlays_the_shipped_one(tmp_path, monkeypatch):
 
 
 def test_a_missing_user_database_is_an_error(tmp_path):
-    from tuner.errors import UserError
-
     with pytest.raises(UserError, match="does not exist"):
         ask(tmp_path / "nope.db")
 
@@ -169,3 +170,109 @@ def test_the_shipped_database_is_read_without_side_files(tmp_path, monkeypatch):
     found = best_config("gdn", 128, device=None)
     assert found.source in ("exact", "nearest_bucket", "same_arch", "default")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.db"]
+
+
+# ---- the backend: FLA where its stored baseline beats the winner
+
+
+def fla(db, median_ms, *, env=H200, seqlen=8192, batch=4, status="pass", version="0.6.0+standin", day=1):
+    problem = Problem("linear", 64, 64, seqlen=seqlen, batch=batch)
+    timed = status == "pass"
+    Store(db).add_baseline(Baseline(problem, env, version, status, median_ms if timed else None,
+                                    median_ms * 0.97 if timed else None, median_ms * 1.03 if timed else None,
+                                    0.1 if timed else None, {}, measured_at=datetime(2026, 3, day)))
+
+
+def test_fla_answers_where_its_baseline_beats_the_winner_and_the_config_stays_the_tuners(tmp_path, fla_standin):
+    db = tmp_path / "user.db"
+    put(db, FAST, median_ms=0.3)
+    fla(db, 0.2)
+    got = ask(db)
+    assert (got.source, got.backend, got.config_source, got.config) == ("fla", "fla", "exact", FAST)
+    assert got.baseline.median_ms == 0.2 and got.row.median_ms == 0.3
+    fla(db, 0.35, day=2)  # a newer measurement of FLA, slower than the winner: the tuner's again
+    got = ask(db)
+    assert (got.source, got.backend, got.baseline.median_ms) == ("exact", "tuner", 0.35)
+
+
+def test_without_fla_installed_the_tuners_kernel_answers_beside_the_baseline_it_was_compared_with(tmp_path):
+    db = tmp_path / "user.db"
+    put(db, FAST, median_ms=0.3)
+    fla(db, 0.2)
+    got = ask(db)
+    assert (got.source, got.backend, got.baseline.median_ms) == ("exact", "tuner", 0.2)
+
+
+def test_a_baseline_that_failed_the_gate_last_is_never_preferred(tmp_path, fla_standin):
+    db = tmp_path / "user.db"
+    put(db, FAST, median_ms=0.3)
+    fla(db, 0.1, day=1)
+    fla(db, 0.1, status="mismatch", day=2)
+    got = ask(db)
+    assert (got.source, got.baseline.status) == ("exact", "mismatch")
+
+
+def test_the_winner_is_compared_with_fla_at_its_own_bucket_and_gpu(tmp_path, fla_standin):
+    db = tmp_path / "user.db"
+    put(db, FAST, median_ms=0.3, env=H100)
+    fla(db, 0.2, seqlen=2048)            # this GPU model, another bucket
+    fla(db, 0.25, env=A100)              # the winner's bucket, another GPU
+    got = ask(db)
+    assert (got.source, got.baseline) == ("same_arch", None)
+    fla(db, 0.25, env=H100)              # where the H100 winner was timed: like with like
+    got = ask(db)
+    assert (got.source, got.config_source, got.baseline.stack.gpu) == ("fla", "same_arch", H100.gpu)
+
+
+def test_the_installed_fla_version_is_compared_first(tmp_path, fla_standin):
+    db = tmp_path / "user.db"
+    put(db, FAST, median_ms=0.3)
+    fla(db, 0.4, day=1)                       # the installed FLA: slower
+    fla(db, 0.1, version="0.7.0", day=2)      # another FLA, newer and faster
+    assert (ask(db).source, ask(db).baseline.fla_version) == ("exact", fla_standin)
+
+
+def test_without_a_winner_a_passing_baseline_of_this_gpu_or_architecture_answers_fla(tmp_path, fla_standin):
+    db = tmp_path / "user.db"
+    fla(db, 9.0, env=A100)  # another architecture: says nothing of this one
+    assert ask(db).source == "default"
+    fla(db, 9.0, env=H100, seqlen=1024)
+    got = ask(db)
+    assert (got.source, got.config_source, got.row, got.baseline.stack.gpu) == ("fla", "default", None, H100.gpu)
+    assert got.config == space.load("linear").default(Problem("linear", 64, 64))
+
+
+def test_the_switch_forces_a_backend_by_argument_or_environment(tmp_path, fla_standin, monkeypatch):
+    db = tmp_path / "user.db"
+    put(db, FAST, median_ms=0.3)
+    fla(db, 0.2)
+    assert ask(db, backend="tuner").source == "exact"
+    monkeypatch.setenv("LINATTN_BACKEND", "tuner")
+    assert ask(db).source == "exact" and ask(db, backend="auto").source == "fla"
+    fla_db = tmp_path / "slow-fla.db"
+    put(fla_db, FAST, median_ms=0.3)
+    monkeypatch.setenv("LINATTN_BACKEND", "fla")
+    assert ask(fla_db).source == "fla"  # forced, with no baseline at all
+    monkeypatch.setenv("LINATTN_BACKEND", "cuda")
+    with pytest.raises(UserError, match="LINATTN_BACKEND='cuda' is not a backend"):
+        ask(db)
+
+
+def test_a_decode_kernel_is_always_the_tuners(fla_standin, monkeypatch):
+    monkeypatch.setenv("LINATTN_BACKEND", "fla")
+    got = best_config("gdn_recurrent", 64, device=H200)
+    assert (got.source, got.backend) == ("default", "tuner")
+
+
+def test_the_shipped_database_without_baselines_answers_as_before(tmp_path, monkeypatch, fla_standin):
+    import shutil
+    import sqlite3
+
+    shipped = tmp_path / "results.db"
+    shutil.copy(paths.SHIPPED_DB, shipped)
+    with sqlite3.connect(shipped) as con:
+        con.execute("DROP TABLE IF EXISTS tuner_baselines")  # as shipped before baselines were stored
+    monkeypatch.setattr(lookup, "SHIPPED_DB", shipped)
+    tuned_on = Store(shipped, readonly=True).winners(variant="gdn", dk=128)[0].stack
+    found = best_config("gdn", 128, device=tuned_on)
+    assert (found.backend, found.baseline) == ("tuner", None) and found.source in lookup.CONFIG_SOURCES

@@ -1,12 +1,17 @@
-"""tuner.ops: FLA's signatures, clear errors for wrong inputs, and (on a GPU) agreement with the oracle."""
+"""tuner.ops: FLA's signatures, clear errors for wrong inputs, the dispatch to FLA where its stored
+baseline is faster (with FLA absent and the stand-in present), and (on a GPU) agreement with the oracle."""
 import inspect
+import sys
 
 import pytest
 import torch
 
-from tuner import ops, reference
+from tuner import baseline, lookup, ops, reference, space, stack
+from tuner.candidate import Candidate
 from tuner.inputs import make_inputs
 from tuner.problem import Problem
+from tuner.stack import Stack
+from tuner.store import Baseline, Store, Winner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -39,7 +44,8 @@ def _qkv(B=1, T=8, H=2, K=16, V=16, dtype=torch.bfloat16, device="cpu"):
 @pytest.mark.parametrize(
     "call, message",
     [
-        pytest.param(lambda q, k, v: ops.chunk_gla(q, k, v, torch.zeros(1, 8, 2, 16)), "must be on a CUDA device", id="cpu-tensors"),
+        pytest.param(lambda q, k, v: ops.chunk_gla(*_qkv(K=64, V=64), torch.zeros(1, 8, 2, 64)), "must be on a CUDA device",
+                     id="cpu-tensors"),
         pytest.param(lambda q, k, v: ops.chunk_gla(q.float(), k, v, torch.zeros(1, 8, 2, 16)), "float16 or bfloat16", id="fp32"),
         pytest.param(lambda q, k, v: ops.chunk_gla(q[0], k, v, None), "4-D tensor [B, T, H, D]", id="3d"),
         pytest.param(lambda q, k, v: ops.chunk_gla(q, k, v, torch.zeros(1, 8, 2)), "needs g of shape [1, 8, 2, 16]", id="g-shape"),
@@ -82,3 +88,121 @@ def test_ops_match_the_fp64_oracle(variant, call):
     for out, ref in ((o, ref_o), (state, ref_state)):
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < problem.tolerance, (variant, err)
+
+
+# ---- the dispatch: FLA where its stored baseline beats the winner (CPU, the stand-in FLA)
+
+H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "13.0.88", "570.86.15", "2.13.0")
+SHAPE = dict(batch=1, seqlen=8, heads=2)
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """A database of this machine (an H200, as far as the lookup can tell) holding, per variant
+    asked for, a winner at 1 ms and FLA's op at ``fla_ms``."""
+    monkeypatch.setattr(stack, "current", lambda device=0: H200)
+    monkeypatch.setattr(lookup, "SHIPPED_DB", tmp_path / "shipped.db")
+    monkeypatch.setenv(lookup.DB_ENV, str(tmp_path / "user.db"))
+    monkeypatch.delenv(baseline.BACKEND_ENV, raising=False)
+    store = Store(tmp_path / "user.db")
+
+    def record(variant, fla_ms):
+        problem = Problem(variant, 64, 64, "bf16", **SHAPE)
+        config = space.load(variant).default(problem)
+        store.write_winner(Winner(problem, H200, Candidate.from_config(problem, config).digest, config, 1.0, 0.98,
+                                  1.02, {}, "s", 0), "pass")
+        store.add_baseline(Baseline(problem, H200, "0.6.0+standin", "pass", fla_ms, fla_ms * 0.98, fla_ms * 1.02))
+
+    return record
+
+
+def cpu_inputs(variant):
+    return make_inputs(Problem(variant, 64, 64, "bf16", **SHAPE), "initial_state", seed=0)
+
+
+# Each op as a user calls it, and what FLA's op of that name is called with.
+CALLS = {
+    "linear": (lambda impl, x, **o: impl.chunk_linear_attn(x["q"], x["k"], x["v"], output_final_state=True,
+                                                            normalize=False, **o), "chunk_linear_attn"),
+    "decay": (lambda impl, x, **o: impl.chunk_retention(x["q"], x["k"], x["v"], output_final_state=True, **o),
+              "chunk_retention"),
+    "simple_gla": (lambda impl, x, **o: impl.chunk_simple_gla(x["q"], x["k"], x["v"], x["g"],
+                                                              initial_state=x["initial_state"],
+                                                              output_final_state=True, **o), "chunk_simple_gla"),
+    "gla": (lambda impl, x, **o: impl.chunk_gla(x["q"], x["k"], x["v"], x["g"], scale=0.3, output_final_state=True,
+                                                **o), "chunk_gla"),
+    "gdn": (lambda impl, x, **o: impl.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                             output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                             **o), "chunk_gated_delta_rule"),
+    "kda": (lambda impl, x, **o: impl.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                               initial_state=x["initial_state"], output_final_state=True, **o),
+            "chunk_kda"),
+}
+
+
+@pytest.mark.parametrize("variant", CALLS)
+def test_the_op_calls_fla_with_the_users_arguments_where_fla_is_faster(variant, measured, fla_standin):
+    measured(variant, 0.5)
+    call, name = CALLS[variant]
+    x = cpu_inputs(variant)
+    o, state = call(ops, x)  # CPU tensors: only FLA can take them here
+    fla = baseline.fla_ops()
+    assert fla.calls == [name]
+    expected_o, expected_state = call(fla, x)
+    assert torch.equal(o, expected_o) and torch.equal(state, expected_state)
+
+
+def test_the_tuners_kernel_runs_where_it_is_faster_or_fla_is_absent_or_the_switch_says_so(measured, fla_standin,
+                                                                                           monkeypatch):
+    x = cpu_inputs("gla")
+    call = CALLS["gla"][0]
+    measured("gla", 2.0)  # FLA slower than the winner
+    with pytest.raises(ops.InputError, match="must be on a CUDA device"):  # the tuner's path: CUDA only
+        call(ops, x)
+    assert "fla.ops" not in sys.modules  # FLA was not even imported
+    measured("gdn", 0.5)  # FLA faster, but forced off, by argument and by environment
+    x = cpu_inputs("gdn")
+    with pytest.raises(ops.InputError, match="must be on a CUDA device"):
+        CALLS["gdn"][0](ops, x, backend="tuner")
+    monkeypatch.setenv(baseline.BACKEND_ENV, "tuner")
+    with pytest.raises(ops.InputError, match="must be on a CUDA device"):
+        CALLS["gdn"][0](ops, x)
+    assert "fla.ops" not in sys.modules
+    CALLS["gdn"][0](ops, x, backend="auto")  # the argument over the environment
+    assert baseline.fla_ops().calls == ["chunk_gated_delta_rule"]
+
+
+def test_without_fla_the_tuners_kernel_runs_and_forcing_fla_is_a_clear_error(measured):
+    measured("kda", 0.5)
+    x = cpu_inputs("kda")
+    with pytest.raises(ops.InputError, match="must be on a CUDA device"):
+        CALLS["kda"][0](ops, x)
+    with pytest.raises(baseline.FlaUnavailable, match=r"pip install 'linattn-tuner\[fla\]'"):
+        CALLS["kda"][0](ops, x, backend="fla")
+
+
+def test_an_fla_that_will_not_import_gives_way_to_the_tuners_kernel_with_a_warning(measured, fla_standin,
+                                                                                     monkeypatch):
+    measured("gla", 0.5)
+    monkeypatch.setitem(sys.modules, "fla.ops", None)  # installed, but importing it fails
+    with pytest.warns(UserWarning, match="the tuner's kernel runs gla in its place"):
+        with pytest.raises(ops.InputError, match="must be on a CUDA device"):
+            CALLS["gla"][0](ops, cpu_inputs("gla"))
+
+
+def test_the_choice_is_looked_up_once_per_problem(measured, fla_standin, monkeypatch):
+    measured("gla", 0.5)
+    looked_up = []
+    real = ops.best_config
+    monkeypatch.setattr(ops, "best_config", lambda *a, **k: looked_up.append(k["backend"]) or real(*a, **k))
+    x = cpu_inputs("gla")
+    for _ in range(3):
+        CALLS["gla"][0](ops, x)
+    CALLS["gla"][0](ops, x, backend="fla")
+    assert looked_up == ["auto", "fla"] and baseline.fla_ops().calls == ["chunk_gla"] * 4
+
+
+def test_the_switch_is_the_last_argument_of_every_op():
+    for name in FLA_SIGNATURES:
+        parameters = list(inspect.signature(getattr(ops, name)).parameters.values())
+        assert parameters[-1].name == "backend" and parameters[-1].default is None

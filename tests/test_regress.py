@@ -1,5 +1,6 @@
 """`tune regress`: the noise rule, and the replay of a recorded history in a real SQLite file
-built through tuner.store (exit 1 on a slowdown or a gate failure, 0 otherwise, nothing written)."""
+built through tuner.store (exit 1 on a slowdown, a gate failure or a winner that fell behind FLA, 0
+otherwise, nothing written); FLA re-timed beside the winners (the stand-in, through the real gate)."""
 import hashlib
 import subprocess
 import sys
@@ -8,11 +9,12 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from tuner import stack
+from tuner import baseline, stack
+from tuner.candidate import Candidate
 from tuner.stack import Stack
 from tuner.problem import Problem
-from tuner.regress import MIN_SHIFT, judge, judge_history
-from tuner.store import Measurement, Store, Winner
+from tuner.regress import MIN_SHIFT, judge, judge_history, replay, versus_fla
+from tuner.store import Baseline, Measurement, Store, Winner
 
 H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
 UPGRADED = replace(H200, tilelang="0.1.16")
@@ -215,3 +217,131 @@ def test_winners_of_one_problem_are_told_apart_in_the_replay(tmp_path):
     assert "gdn k128 v128 bf16 B4 T8192 H16 · split=chunked" in out
     assert "gdn k128 v128 bf16 B4 T8192 H16 · split=pre_seq" in out
     assert "kda k128 v128 bf16 B4 T8192 H16 " in out and "H16 · chunk_size" not in out  # alone: nothing added
+
+
+# ---- against FLA: a winner that fell behind its baseline is a regression
+
+
+def fla_at(median, p10, p90, env=H200, status="pass", day=0, problem=Problem("gdn", 128, 128)):
+    timed = status == "pass"
+    return Baseline(problem, env, "0.6.0", status, median if timed else None, p10 if timed else None,
+                    p90 if timed else None, 0.13 if timed else None, {"default": {"o": 0.2}} if not timed else {},
+                    measured_at=T0 + timedelta(days=day, minutes=5))
+
+
+def make_db_with_fla(path, later: list[Measurement], fla: list[Baseline]):
+    w = make_db(path, later)
+    store = Store(path)
+    for b in fla:
+        store.add_baseline(b)
+    store.close()
+    return w
+
+
+def test_each_measurement_is_paired_with_flas_on_its_stack_nearest_in_time():
+    ours = [measured(1.0, 0.98, 1.03), measured(1.0, 0.98, 1.02, env=UPGRADED, day=1),
+            measured(1.2, 1.18, 1.22, day=2), measured(None, None, None, status="nan", day=3)]
+    fla = [fla_at(1.1, 1.08, 1.12, day=0), fla_at(0.7, 0.69, 0.71, day=2),
+           fla_at(0.5, 0.49, 0.51, env=replace(H200, driver="575.51.03"), day=2)]  # another driver: never paired
+    versus = versus_fla(ours, fla)
+    # the upgrade changed TileLang only, which FLA's time does not depend on: paired with FLA on that stack
+    assert [(p.ours.median_ms, p.fla.median_ms, p.kind) for p in versus.pairs] == [
+        (1.0, 1.1, "faster"), (1.0, 1.1, "faster"), (1.2, 0.7, "slower")]
+    assert versus.kind == "fell_behind" and versus.flagged
+    assert versus.latest.ratio == pytest.approx(1.2 / 0.7)
+    assert "slower than FLA beyond the noise, and it was not before: 1.71x FLA 0.6.0" in versus.reason
+
+
+@pytest.mark.parametrize("fla, kind, flagged", [
+    pytest.param([fla_at(0.5, 0.49, 0.51), fla_at(0.5, 0.49, 0.51, day=1)], "behind", False, id="always-slower"),
+    pytest.param([fla_at(1.02, 1.0, 1.05), fla_at(0.8, 0.78, 0.82, day=1)], "fell_behind", True, id="was-even"),
+    pytest.param([fla_at(1.02, 0.9, 1.2), fla_at(1.05, 0.9, 1.2, day=1)], "even", False, id="within-noise"),
+    pytest.param([fla_at(0.5, 0.49, 0.51), fla_at(None, None, None, status="mismatch", day=1)], "fla_failed", False,
+                 id="fla-failed-the-gate"),
+])
+def test_only_a_winner_that_fell_behind_fla_is_flagged(fla, kind, flagged):
+    versus = versus_fla([measured(1.0, 0.98, 1.03), measured(1.0, 0.98, 1.03, day=1)], fla)
+    assert (versus.kind, versus.flagged) == (kind, flagged), versus.reason
+
+
+def test_without_a_measurement_of_fla_on_the_stack_there_is_no_comparison():
+    assert versus_fla([measured(1.0, 0.98, 1.03)], [fla_at(0.5, 0.49, 0.51, env=replace(H200, gpu="NVIDIA H100"))]) \
+        is None
+
+
+def test_replay_exits_1_for_a_winner_that_fell_behind_fla_and_0_for_one_always_behind(tmp_path):
+    fell = tmp_path / "fell.db"
+    make_db_with_fla(fell, [measured(1.01, 0.99, 1.04, day=1)],
+                     [fla_at(1.2, 1.18, 1.22), fla_at(0.8, 0.79, 0.81, day=1)])
+    out = run_tune("regress", "--replay", "--db", str(fell))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "fell_behind" in out.stdout and "1 of 1 winners regressed (1 fell behind FLA)" in out.stdout
+    behind = tmp_path / "behind.db"
+    make_db_with_fla(behind, [measured(1.01, 0.99, 1.04, day=1)],
+                     [fla_at(0.5, 0.49, 0.51), fla_at(0.5, 0.49, 0.51, day=1)])
+    out = run_tune("regress", "--replay", "--db", str(behind))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "behind: slower than FLA in every" in out.stdout and "no regression among 1 winners" in out.stdout
+    (outcome,) = replay(Store(behind, readonly=True))
+    assert outcome.versus.kind == "behind" and "tuner.ops calls FLA here" in outcome.versus.reason
+
+
+def cpu_gate(source):
+    """The real gate (child process, timing) on the CPU: the tuner's kernels replaced by the hand-written
+    module ``source``, FLA's op (the stand-in) run as it is."""
+    from tuner import gate
+
+    real = gate.gate_and_time
+
+    def gate_and_time(candidate, *, also_at=(), timeout_s, device):
+        if candidate.config != baseline.CONFIG:
+            candidate = Candidate(candidate.problem, candidate.config, source)
+        return real(candidate, also_at=also_at, timeout_s=120, device=device, regimes=["default"], seqlens=(64,),
+                    batch=1, heads=1, seeds=(0,), rep=3, warmup_ms=1)
+
+    return gate_and_time
+
+
+def test_regress_re_times_fla_beside_the_winners_and_judges_them_against_it(tmp_path, monkeypatch, fla_standin):
+    from pathlib import Path
+
+    from tuner import gate, regress, space
+
+    monkeypatch.setattr(stack, "has_gpu", lambda: True)
+    monkeypatch.setattr(stack, "current", lambda device=0: H200)
+    source = (Path(__file__).parent / "fixtures" / "torch_forward.py").read_text()  # the correct decay module
+    monkeypatch.setattr(gate, "gate_and_time", cpu_gate(source))
+    small = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2)
+    config = space.load("decay").default(small)
+    store = Store(tmp_path / "r.db")
+    digest = Candidate.from_config(small, config).digest
+    winners = [store.write_winner(Winner(p, H200, digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
+               for p in (small, small.at("1x256x2"))]
+
+    outcomes = regress.remeasure(store, device=0)
+
+    fla = store.baselines()
+    assert [(b.problem, b.stack, b.fla_version, b.status) for b in fla] == [
+        (w.problem, H200, fla_standin, "pass") for w in winners]
+    for o, b in zip(outcomes, fla):
+        assert o.versus is not None and o.versus.latest.fla == b
+        assert o.versus.latest.ours == store.history(o.winner.id)[-1]  # paired with the measurement just taken
+
+
+def test_regress_without_fla_says_so_and_times_the_winners_alone(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from tuner import gate, regress, space
+
+    monkeypatch.setattr(stack, "has_gpu", lambda: True)
+    monkeypatch.setattr(stack, "current", lambda device=0: H200)
+    monkeypatch.setattr(gate, "gate_and_time", cpu_gate((Path(__file__).parent / "fixtures" / "torch_forward.py")
+                                                        .read_text()))
+    small = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2)
+    config = space.load("decay").default(small)
+    store = Store(tmp_path / "r.db")
+    store.write_winner(Winner(small, H200, Candidate.from_config(small, config).digest, config, 1.0, 0.9, 1.1, {},
+                              "s", 0), "pass")
+    (outcome,) = regress.remeasure(store, device=0)
+    assert outcome.verdict is not None and outcome.versus is None and store.baselines() == []
+    assert "FLA is not installed: its op was not re-timed" in outcome.note

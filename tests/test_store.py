@@ -1,18 +1,21 @@
 """The results database against real SQLite files: idempotent trial rows, winners kept by key,
-history, calibration, and refusal of foreign, damaged and long-locked files."""
+history, FLA's baselines, calibration, and refusal of foreign, damaged and long-locked files."""
 import hashlib
 import shutil
 import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from datetime import datetime
 
 import pytest
 
+from tuner import paths
 from tuner.stack import Stack
 from tuner.errors import DatabaseError
 from tuner.problem import Problem
-from tuner.store import (CalibrationPoint, Measurement, ShapeBucket, Store, TrialRecord, Winner,
+from tuner.store import (Baseline, CalibrationPoint, Measurement, ShapeBucket, Store, TrialRecord, Winner,
                          shape_bucket)
 
 from sqlite_lock import LOCK_HOLDER
@@ -189,8 +192,6 @@ def test_readonly_store_reads_beside_a_writer_and_changes_nothing(tmp_path):
 
 def test_the_shipped_database_is_written_in_rollback_journal_mode(tmp_path, monkeypatch):
     # An installed package may sit in a read-only folder, where a WAL database cannot be read.
-    from tuner import paths
-
     shipped = tmp_path / "results.db"
     shutil.copy(paths.SHIPPED_DB, shipped)
     with sqlite3.connect(shipped) as con:  # as a tuning run into it once left it
@@ -204,3 +205,46 @@ def test_the_shipped_database_is_written_in_rollback_journal_mode(tmp_path, monk
     other = tmp_path / "user.db"  # any other database: WAL, so that readers never block the tuner
     Store(other).record_trial(trial(1))
     assert other.read_bytes()[18:20] == b"\x02\x02"
+
+
+def fla_measured(status="pass", median_ms=0.8, problem=PROBLEM, env=H200, **kw):
+    timed = status == "pass"
+    return Baseline(problem, env, "0.6.0", status, median_ms if timed else None, median_ms * 0.95 if timed else None,
+                    median_ms * 1.05 if timed else None, 0.126 if timed else None, {"default": {"o": 3e-3}}, **kw)
+
+
+def test_baselines_round_trip_oldest_first_with_their_gate_verdict(tmp_path):
+    store = Store(tmp_path / "r.db")
+    later = fla_measured(median_ms=0.7, measured_at=datetime(2026, 3, 2))
+    earlier = fla_measured(measured_at=datetime(2026, 3, 1))
+    failed = fla_measured("mismatch", problem=Problem("linear", 64, 64, seqlen=1024), message="relative L2 above 0.01")
+    for b in (later, earlier, failed):
+        store.add_baseline(b)
+    back = Store(tmp_path / "r.db", readonly=True).baselines(seqlen=8192)
+    assert [b.median_ms for b in back] == [0.8, 0.7] and all(b.timed for b in back)
+    assert back[0] == replace(earlier, id=back[0].id) and back[0].bucket == shape_bucket(4, 8192, 16)
+    (bad,) = store.baselines(status="mismatch")
+    assert not bad.timed and bad.message == "relative L2 above 0.01" and bad.gate_errors == {"default": {"o": 3e-3}}
+    assert store.baselines(fla_version="0.5.0") == [] and count(tmp_path / "r.db", "tuner_baselines") == 3
+    with pytest.raises(ValueError, match="status"):
+        fla_measured("slow")
+
+
+def test_a_database_from_before_the_baselines_reads_as_having_none_and_gains_their_table_when_written(tmp_path):
+    # The shipped results.db was written before the table existed.
+    db = tmp_path / "results.db"
+    shutil.copy(paths.SHIPPED_DB, db)
+    with sqlite3.connect(db) as con:
+        con.execute("DROP TABLE IF EXISTS tuner_baselines")  # as it was before any baseline was stored
+        schema = dict(con.execute("SELECT name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+    before = digest_of(db)
+    reader = Store(db, readonly=True)
+    assert reader.baselines() == [] and reader.winners()  # its winners read as before
+    reader.close()
+    assert digest_of(db) == before
+    Store(db).add_baseline(fla_measured())
+    with sqlite3.connect(db) as con:
+        after = dict(con.execute("SELECT name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+    assert {k: v for k, v in after.items() if k in schema} == schema  # no existing table changed
+    assert set(after) - set(schema) == {"tuner_baselines"}
+    assert len(Store(db, readonly=True).baselines()) == 1

@@ -286,6 +286,7 @@ def tune_on_gpus(problem, args, devices: list[int]) -> int:
     import threading
 
     from . import console, search, space, stack
+    from .gate import gate_and_time
     from .search import workers
     from .store import Store
 
@@ -296,6 +297,9 @@ def tune_on_gpus(problem, args, devices: list[int]) -> int:
         # an interrupt still reaches the workers (run_on_gpus passes it on).
         signal.signal(signal.SIGINT, signal.default_int_handler)
     name, also = search.open_studies(problem, store, held, tuple(args.also_at), devices[0])
+    # FLA's op timed here, once, before the workers (each would find it measured and go on).
+    search.time_missing_baselines([problem, *(p for p, _ in also)], store, stack.current(devices[0]),
+                                  gate_and_time if stack.has_gpu() else None, devices[0], search.Observer().note)
     gpu = stack.current(devices[0]).gpu
     work = functools.partial(_tune_worker, problem, _tune_options(args), args.seed)
     try:

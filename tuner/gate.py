@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from . import limits, status
 from .candidate import Candidate
 
-__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "shape_timing"]
+__all__ = ["GateResult", "STATUSES", "run_gate", "gate_and_time", "shape_timing", "outcome_at"]
 
 STATUSES = tuple(s.value for s in status.GATE)
 # The end of the child's output kept in a crash message.
@@ -81,6 +81,18 @@ def shape_timing(timing_at: dict, shape: str) -> tuple[dict | None, str]:
     if timing is None or "error" in timing:
         return None, f"timing at {shape} failed: {(timing or {}).get('error', 'not timed')}"
     return timing, ""
+
+
+def outcome_at(result: GateResult, shape: str, timed_shape: str) -> tuple[str, dict, str]:
+    """What a ``gate_and_time`` result says of ``shape``: the status, the timing (empty unless it
+    passed) and why a passing config has no timing there. ``timed_shape`` is the candidate's own
+    shape, any other one of its ``also_at``; a shape whose timing failed is a crash."""
+    if result.status != "pass":
+        return result.status, {}, ""
+    if shape == timed_shape:
+        return "pass", result.timing or {}, ""
+    timing, failure = shape_timing(result.timing_at, shape)
+    return ("pass", timing, "") if timing is not None else ("crash", {}, failure)
 
 
 def run_gate(candidate: Candidate, *, regimes: list[str] | None = None, timeout_s: float = limits.GATE_S,

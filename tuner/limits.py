@@ -5,6 +5,9 @@
 COMPILE_S = 240.0
 # The gate's child (load, check against the oracle, time) is killed and judged a hang after this.
 GATE_S = 300.0
+# The same for FLA's op (tuner.baseline): FLA autotunes its kernels on the first call at each shape,
+# minutes for chunk_gla and chunk_kda.
+BASELINE_S = 1800.0
 # A worker beats for its RUNNING trials this often; a trial whose beat is GRACE_S old is taken
 # for lost by the other workers of the study, failed and re-proposed.
 HEARTBEAT_S = 30.0

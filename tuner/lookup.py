@@ -11,25 +11,41 @@ writes by default in the per-user data folder, :func:`tuner.paths.user_db`). Fal
 
 A winner tuned with another TileLang or CUDA version, or whose kernel the template no longer
 renders (another digest), is stale: it is passed over, reported with ``warnings.warn`` and
-listed in :attr:`Lookup.skipped`, never used silently. Results are memoised per key and per
-state of the database files, so a repeated lookup costs a few ``stat`` calls.
+listed in :attr:`Lookup.skipped`, never used silently.
+
+The backend (``backend=``, else ``$LINATTN_BACKEND``, else ``auto``; :mod:`tuner.baseline`): in
+``auto``, the answer is FLA (source ``fla``) when FLA is installed and the stored FLA baseline the
+winner is compared with passed the gate and is faster than it. That baseline was measured on the
+winner's GPU model at the winner's shape bucket, like with like (the installed FLA version first,
+then this driver, then the newest measurement; a newer measurement that failed the gate rules FLA
+out). Without a winner (none stored, or all stale), FLA is the answer when a baseline of this GPU
+model (else of its architecture) passed the gate: the template's default was never timed, FLA was.
+``fla`` forces FLA, ``tuner`` the tuner's kernel. The decode kernels have no FLA baseline: their
+answer is always the tuner's. :attr:`Lookup.config` is the tuner's config in every case.
+
+Results are memoised per key, backend, installed FLA version and state of the database files, so a
+repeated lookup costs a few ``stat`` calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
 from dataclasses import dataclass
 
-from . import space as spaces, stack
+from . import baseline, space as spaces, stack
 from .stack import NONE, Stack
 from .errors import UserError
 from .paths import DB_ENV, SHIPPED_DB, user_db
 from .problem import Problem
 from .candidate import Candidate
-from .store import Store, Winner, shape_bucket
+from .store import Baseline, ShapeBucket, Store, Winner, shape_bucket
 
-SOURCES = ("exact", "nearest_bucket", "same_arch", "default")
+# Where the tuner's config comes from, best first.
+CONFIG_SOURCES = ("exact", "nearest_bucket", "same_arch", "default")
+# Where an answer comes from: FLA runs the problem, or the tuner's config from one of CONFIG_SOURCES.
+SOURCES = ("fla", *CONFIG_SOURCES)
 
 
 @dataclass(frozen=True)
@@ -46,11 +62,15 @@ class Lookup:
     """The answer of :func:`best_config`.
 
     Args:
-        config (dict): the config to use.
-        source (str): where it came from, one of :data:`SOURCES`.
-        row (Winner | None): the stored winner it came from; None for ``default``.
+        config (dict): the tuner's config (what runs when the backend is the tuner).
+        source (str): where the answer came from, one of :data:`SOURCES`: ``fla`` when FLA runs
+            the problem, else ``config_source``.
+        row (Winner | None): the stored winner the config came from; None for ``default``.
         db (str | None): the database file of ``row``.
         skipped (tuple[Skipped, ...]): stale winners that were passed over.
+        config_source (str): where the config came from, one of :data:`CONFIG_SOURCES`.
+        baseline (Baseline | None): the FLA measurement the winner (or, without one, the default)
+            was compared with; None when there is none.
     """
 
     config: dict
@@ -58,16 +78,23 @@ class Lookup:
     row: Winner | None
     db: str | None = None
     skipped: tuple[Skipped, ...] = ()
+    config_source: str = "default"
+    baseline: Baseline | None = None
 
     @property
     def stale(self) -> bool:
         """Whether a stale winner was passed over to give this answer."""
         return bool(self.skipped)
 
+    @property
+    def backend(self) -> str:
+        """What runs the problem: ``"fla"`` or ``"tuner"``."""
+        return "fla" if self.source == "fla" else "tuner"
+
 
 def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16", batch: int = 4,
                 seqlen: int = 8192, heads: int = 16, device: int | Stack | None = None,
-                db: str | os.PathLike | None = None) -> Lookup:
+                db: str | os.PathLike | None = None, backend: str | None = None) -> Lookup:
     """The best stored config for a problem on this machine, and where it came from.
 
     Args:
@@ -80,6 +107,8 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
         db (str | os.PathLike): the user's results database, read over the shipped one.
             Default: ``$LINATTN_TUNER_DB`` when set, else the per-user database ``tune`` writes to
             (:func:`tuner.paths.user_db`) when it exists.
+        backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
+            ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         Lookup
@@ -90,6 +119,7 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
         'exact'
     """
     problem = Problem(variant, dk, dv or dk, dtype, batch, seqlen, heads)
+    chosen = baseline.backend_choice(backend)
     env = device if isinstance(device, Stack) else stack.current(device or 0)
     named = db if db is not None else os.environ.get(DB_ENV)
     if named is not None and not os.path.exists(named):
@@ -97,7 +127,7 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
     # The per-user default is read when a run has written it (_lookup skips a missing file).
     paths = tuple(dict.fromkeys(os.path.abspath(p) for p in (named or user_db(), SHIPPED_DB)))
     files = tuple((p, _file_state(p)) for p in paths)
-    result = _lookup(problem, env, files)
+    result = _lookup(problem, env, files, chosen, baseline.installed_version())
     for s in result.skipped:  # memoised answers warn again: a stale row is never silent
         warnings.warn(f"stale winner passed over ({s.db}, {s.row.config}): {s.reason}", stacklevel=2)
     return result
@@ -116,10 +146,25 @@ def _file_state(path: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(problem: Problem, env: Stack, files: tuple) -> Lookup:
+def _lookup(problem: Problem, env: Stack, files: tuple, backend: str, fla_version: str | None) -> Lookup:
     # The user's database first: on ties it wins over the shipped one.
-    rows = [(w, path) for path, state in files if state[0] is not None
-            for w in _winners(path, problem)]
+    read = [(path, *_read(path, problem)) for path, state in files if state[0] is not None]
+    rows = [(w, path) for path, winners, _ in read for w in winners]
+    baselines = [b for _, _, found in read for b in found]
+    want = shape_bucket(problem.batch, problem.seqlen, problem.heads)
+    found = _tuners_config(problem, env, want, files, rows)
+    if not baseline.has_baseline(problem.variant):
+        return found
+    compared = _compared_baseline(found.row, env, want, baselines, fla_version)
+    fla = backend == "fla" or (backend == "auto" and fla_version is not None and compared is not None
+                               and compared.timed and (found.row is None or compared.median_ms < found.row.median_ms))
+    return dataclasses.replace(found, source="fla" if fla else found.source, baseline=compared)
+
+
+def _tuners_config(problem: Problem, env: Stack, want: ShapeBucket, files: tuple,
+                   rows: list[tuple[Winner, str]]) -> Lookup:
+    """The tuner's config for ``problem`` (in the bucket ``want``) from the winners ``rows`` (with
+    their files), by the fallbacks."""
     fresh, skipped = [], []
     for w, path in rows:
         reason = _stale_reason(w, env)
@@ -127,7 +172,6 @@ def _lookup(problem: Problem, env: Stack, files: tuple) -> Lookup:
             skipped.append(Skipped(w, reason, path))
         else:
             fresh.append((w, path))
-    want = shape_bucket(problem.batch, problem.seqlen, problem.heads)
     same_gpu = [x for x in fresh if x[0].stack.gpu == env.gpu]
     same_arch = [x for x in fresh if x[0].stack.arch == env.arch != NONE and x not in same_gpu]
     exact = [x for x in same_gpu if x[0].bucket == want]
@@ -140,14 +184,33 @@ def _lookup(problem: Problem, env: Stack, files: tuple) -> Lookup:
     for source, group in (("exact", exact), ("nearest_bucket", same_gpu), ("same_arch", same_arch)):
         if group:
             w, path = min(group, key=rank)
-            return Lookup(dict(w.config), source, w, path, tuple(skipped))
+            return Lookup(dict(w.config), source, w, path, tuple(skipped), config_source=source)
     return Lookup(spaces.load(problem.variant).default(problem), "default", None, None, tuple(skipped))
 
 
-def _winners(path: str, problem: Problem) -> list[Winner]:
+def _compared_baseline(row: Winner | None, env: Stack, want: ShapeBucket, baselines: list[Baseline],
+                       fla_version: str | None) -> Baseline | None:
+    """The FLA measurement to compare the winner ``row`` with (module docstring); without a winner,
+    the one nearest the bucket ``want`` on this GPU model, else on its architecture."""
+    if row is not None:
+        groups = [[b for b in baselines if b.stack.gpu == row.stack.gpu and b.bucket == row.bucket]]
+    else:
+        groups = [[b for b in baselines if b.stack.gpu == env.gpu],
+                  [b for b in baselines if b.stack.arch == env.arch != NONE]]
+    group = next((g for g in groups if g), [])
+
+    def rank(b: Baseline):  # nearest bucket, the installed FLA, this driver, then the newest
+        return (-b.bucket.distance(want), b.fla_version == fla_version, b.stack.driver == env.driver, b.measured_at)
+
+    return max(group, key=rank, default=None)
+
+
+def _read(path: str, problem: Problem) -> tuple[list[Winner], list[Baseline]]:
+    """The winners and FLA's baselines of ``problem``'s variant, head dims and dtype in one database."""
     store = Store(path, readonly=True)
+    key = dict(variant=problem.variant, dk=problem.dk, dv=problem.dv, dtype=problem.dtype)
     try:
-        return store.winners(variant=problem.variant, dk=problem.dk, dv=problem.dv, dtype=problem.dtype)
+        return store.winners(**key), store.baselines(**key)
     finally:
         store.close()
 

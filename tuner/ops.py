@@ -1,19 +1,29 @@
 """Drop-in forward kernels with FLA 0.6.0's names, argument order, layouts and defaults.
 
-Each op looks up the best stored config for the problem on this GPU (``tuner.best_config``),
-compiles its kernel once per config (TileLang keeps it on disk, this module in memory; the
-kernels take the batch and sequence length at run time) and returns ``(o, final_state)``.
-Forward only: these are inference kernels, an input that requires grad is refused.
+Each op looks up what runs the problem on this GPU (``tuner.best_config``): the tuner's kernel of
+the best stored config (compiled once per config: TileLang keeps it on disk, this module in memory;
+the kernels take the batch and sequence length at run time), or FLA's op of the same name, called
+with the same arguments, where a stored FLA baseline beats the tuner's winner and FLA is installed
+(``tuner.lookup``). ``backend=`` (else ``$LINATTN_BACKEND``) forces ``"tuner"`` or ``"fla"``; in
+``"auto"`` an FLA that cannot be imported gives way to the tuner's kernel with a warning, and a
+forced ``"fla"`` is an error then. FLA is imported only when it runs, and called as it is installed
+(its own backend dispatch is the caller's to set with ``FLA_DISABLE_BACKEND_DISPATCH``). The choice
+is looked up once per problem, device and backend: a call costs what it did before FLA was a choice.
 
-Not supported (a clear error instead): variable-length batches (``cu_seqlens``) and FLA's
-in-kernel activations (``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``).
+Inputs are checked the same whatever runs; forward only: these are inference kernels, an input that
+requires grad is refused. Not supported (a clear error instead): variable-length batches
+(``cu_seqlens``) and FLA's in-kernel activations (``use_gate_in_kernel``,
+``use_beta_sigmoid_in_kernel``). The token-by-token ops (``tuner.decode``) always run the tuner's
+kernels.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
+from . import baseline
 from .errors import UserError
 from .inputs import check_layout, retention_log_decay
 from .lookup import best_config
@@ -36,8 +46,6 @@ def _check(variant: str, q, k, v, g, beta, initial_state) -> Problem:
             raise InputError(f"{name} requires grad: tuner.ops are forward-only kernels")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.is_cuda:
-        raise InputError(f"q, k, v must be on a CUDA device, got {q.device}")
     return Problem(variant, DK, DV, _DTYPES[q.dtype], B, T, H)
 
 
@@ -50,14 +58,33 @@ def _compiled(variant: str, dk: int, dv: int, dtype: str, config: tuple):
 
 
 @functools.cache
-def _config(problem: Problem, device: int) -> tuple:
-    return tuple(best_config(problem.variant, problem.dk, problem.dv, problem.dtype, problem.batch,
-                             problem.seqlen, problem.heads, device=device).config.items())
+def _plan(problem: Problem, device: int, backend: str) -> tuple:
+    """What runs ``problem`` on ``device``: (FLA's ``fla.ops``, None) where FLA does, else (None, the
+    tuner's config as items)."""
+    lookup = best_config(problem.variant, problem.dk, problem.dv, problem.dtype, problem.batch, problem.seqlen,
+                         problem.heads, device=device, backend=backend)
+    if lookup.backend == "fla":
+        try:
+            return baseline.fla_ops(), None
+        except baseline.FlaUnavailable as e:
+            if backend == "fla":
+                raise
+            warnings.warn(f"{e}: the tuner's kernel runs {problem.variant} in its place", stacklevel=4)
+    return None, tuple(lookup.config.items())
 
 
-def _run(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False):
+def _route(variant, q, k, v, g=None, beta=None, initial_state=None, backend=None):
+    """The problem of the inputs, FLA's ``fla.ops`` where FLA runs it (else None) and the tuner's config."""
     problem = _check(variant, q, k, v, g, beta, initial_state)
-    config = _config(problem, q.device.index or 0)
+    fla, config = _plan(problem, q.device.index or 0, baseline.backend_choice(backend))
+    return problem, fla, config
+
+
+def _run(problem: Problem, config: tuple, q, k, v, g=None, beta=None, scale=None, initial_state=None,
+         output_final_state=False):
+    """The tuner's kernel of ``config`` on the inputs."""
+    if not q.is_cuda:
+        raise InputError(f"q, k, v must be on a CUDA device, got {q.device}")
     module, kernels = _compiled(problem.variant, problem.dk, problem.dv, problem.dtype, config)
     with torch.cuda.device(q.device):
         o, final_state = module.forward(kernels, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state)
@@ -70,15 +97,15 @@ def _unsupported(**options):
             raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
 
 
-def _delta_rule(variant, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk):
+def _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk):
     if l2norm_qk:  # FLA's use_qk_l2norm_in_kernel, done here in torch: the kernels take normalised q, k
         q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
-    return _run(variant, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+    return _run(problem, config, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state)
 
 
 def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
-                      cu_seqlens=None):
+                      cu_seqlens=None, backend=None):
     """Linear attention, FLA's ``chunk_linear_attn``.
 
     Args:
@@ -90,13 +117,20 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
             ``(kv_state, z_state)``, z_state [B, 1, H, K]. Default: None.
         output_final_state (bool): return the final state. Default: False.
         normalize (bool): divide each output by ``<scale q_t, sum_{s<=t} k_s>``. Default: True.
+        backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
+            ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, H, V] and the final state (a tuple ``(kv_state, z_state)`` with ``normalize``), or None.
     """
     _unsupported(cu_seqlens=cu_seqlens)
     kv_init, z_init = initial_state if normalize and isinstance(initial_state, tuple) else (initial_state, None)
-    o, final_state = _run("linear", q, k, v, scale=scale, initial_state=kv_init, output_final_state=output_final_state)
+    problem, fla, config = _route("linear", q, k, v, initial_state=kv_init, backend=backend)
+    if fla is not None:
+        return fla.chunk_linear_attn(q, k, v, scale=scale, initial_state=initial_state,
+                                     output_final_state=output_final_state, normalize=normalize)
+    o, final_state = _run(problem, config, q, k, v, scale=scale, initial_state=kv_init,
+                          output_final_state=output_final_state)
     if not normalize:
         return o, final_state
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -107,24 +141,32 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
     return o, ((final_state, k_cum[:, -1:].to(k.dtype)) if output_final_state else None)
 
 
-def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    backend=None):
     """Retention (constant per-head decay), FLA's ``chunk_retention``.
 
     Args:
         q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
         scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
         output_final_state (bool): Default: False.
+        backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
+            ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, H, V], final state [B, H, K, V] fp32 or None.
     """
     _unsupported(cu_seqlens=cu_seqlens)
     g = retention_log_decay(q.shape[2], q.device)
-    return _run("decay", q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    problem, fla, config = _route("decay", q, k, v, g, initial_state=initial_state, backend=backend)
+    if fla is not None:
+        return fla.chunk_retention(q, k, v, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state)
+    return _run(problem, config, q, k, v, g=g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state)
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
-                     state_v_first=False, cu_seqlens=None):
+                     state_v_first=False, cu_seqlens=None, backend=None):
     """Scalar-gated linear attention (Mamba2 / SSD), FLA's ``chunk_simple_gla``.
 
     Args:
@@ -133,6 +175,8 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
         g_gamma (torch.Tensor): per-head constant log decay [H]; only one of g, g_gamma. Default: None.
         scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
         output_final_state (bool): Default: False.
+        backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
+            ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, H, V], final state [B, H, K, V] fp32 or None.
@@ -141,11 +185,16 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
     if g is not None and g_gamma is not None:
         raise InputError("give only one of g and g_gamma")
     variant, gate = ("simple_gla", g) if g is not None else ("decay", g_gamma) if g_gamma is not None else ("linear", None)
-    return _run(variant, q, k, v, g=gate, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    problem, fla, config = _route(variant, q, k, v, gate, initial_state=initial_state, backend=backend)
+    if fla is not None:
+        return fla.chunk_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                                    output_final_state=output_final_state)
+    return _run(problem, config, q, k, v, g=gate, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state)
 
 
 def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
-              cu_seqlens=None):
+              cu_seqlens=None, backend=None):
     """Gated linear attention with a per-channel gate, FLA's ``chunk_gla``.
 
     Args:
@@ -153,17 +202,23 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
         g (torch.Tensor): per-channel log gate [B, T, H, K].
         scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
         output_final_state (bool): Default: False.
+        backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
+            ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, H, V], final state [B, H, K, V] fp32 or None.
     """
     _unsupported(state_v_first=state_v_first, cu_seqlens=cu_seqlens)
-    return _run("gla", q, k, v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    problem, fla, config = _route("gla", q, k, v, g, initial_state=initial_state, backend=backend)
+    if fla is not None:
+        return fla.chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    return _run(problem, config, q, k, v, g=g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, state_v_first=False,
-                           cu_seqlens=None):
+                           cu_seqlens=None, backend=None):
     """Gated DeltaNet, FLA's ``chunk_gated_delta_rule``.
 
     Args:
@@ -172,18 +227,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
         output_final_state (bool): Default: False.
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+        backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
+            ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, H, V], final state [B, H, K, V] fp32 or None.
     """
     _unsupported(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_v_first=state_v_first,
                  cu_seqlens=cu_seqlens)
-    return _delta_rule("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+    problem, fla, config = _route("gdn", q, k, v, g, beta, initial_state, backend)
+    if fla is not None:
+        return fla.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                          output_final_state=output_final_state,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              cu_seqlens=None):
+              cu_seqlens=None, backend=None):
     """Kimi Delta Attention, FLA's ``chunk_kda``.
 
     Args:
@@ -192,13 +255,20 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
         output_final_state (bool): Default: False.
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+        backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
+            ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, H, V], final state [B, H, K, V] fp32 or None.
     """
     _unsupported(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  cu_seqlens=cu_seqlens)
-    return _delta_rule("kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+    problem, fla, config = _route("kda", q, k, v, g, beta, initial_state, backend)
+    if fla is not None:
+        return fla.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel)
 
 
 __all__ = ["chunk_linear_attn", "chunk_retention", "chunk_simple_gla", "chunk_gla", "chunk_gated_delta_rule",

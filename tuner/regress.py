@@ -17,15 +17,23 @@ Every measurement carries its own spread, the 10th and 90th percentile of its re
 
 A verdict names what changed between the two measurements (GPU, TileLang, CUDA, driver, torch)
 so the reader sees why, not just that.
+
+Against FLA (:func:`versus_fla`): ``tune regress`` re-times FLA's op at each winner's shape too
+(when FLA is installed; :mod:`tuner.baseline`), and each timed measurement of a winner is paired
+with FLA's measured on the same stack (GPU, CUDA, driver, torch) nearest in time, judged by the
+same noise rule: **slower**, **faster** or **even**, or **fla_failed** when FLA's op did not pass
+the gate. A winner **fell behind** FLA when its latest pair is slower and an earlier one was not:
+that is a regression (exit 1). A winner slower than FLA in every pair is **behind**: reported, not
+flagged, since ``tuner.ops`` calls FLA for it (:mod:`tuner.lookup`).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from . import gate, limits, stack, variants
+from . import baseline, gate, limits, stack, variants
 from .errors import UserError
-from .store import Measurement, Store, Winner
+from .store import Baseline, Measurement, Store, Winner
 
 # Smallest relative change of the median that is flagged, however tight the bands are.
 MIN_SHIFT = 0.03
@@ -87,6 +95,19 @@ def reference_of(previous: Iterable[Measurement]) -> Measurement | None:
     return min((m for m in previous if _timed(m)), key=lambda m: m.median_ms, default=None)
 
 
+def compare(m, ref) -> tuple[str, str]:
+    """``m`` against ``ref`` (each a timed :class:`Measurement` or :class:`Baseline`) by the noise rule:
+    ``"slower"`` or ``"faster"`` beyond the noise, else ``"within"``; and the numbers, in words."""
+    shift = m.median_ms / ref.median_ms - 1
+    numbers = (f"median {m.median_ms:.4g} ms [p10 {m.p10_ms:.4g}, p90 {m.p90_ms:.4g}] against "
+               f"{ref.median_ms:.4g} ms [p10 {ref.p10_ms:.4g}, p90 {ref.p90_ms:.4g}] ({shift:+.1%})")
+    if m.p10_ms > ref.p90_ms and shift > MIN_SHIFT:
+        return "slower", numbers
+    if m.p90_ms < ref.p10_ms and shift < -MIN_SHIFT:
+        return "faster", numbers
+    return "within", numbers
+
+
 def judge(measurement: Measurement, previous: Iterable[Measurement]) -> Verdict:
     """Judge ``measurement`` against the measurements of the same winner before it (module docstring).
 
@@ -105,15 +126,10 @@ def judge(measurement: Measurement, previous: Iterable[Measurement]) -> Verdict:
                        changes)
     if ref is None:
         return Verdict(measurement, None, "first", "nothing earlier to compare with")
-    m = measurement
-    shift = m.median_ms / ref.median_ms - 1
-    numbers = (f"median {m.median_ms:.4g} ms [p10 {m.p10_ms:.4g}, p90 {m.p90_ms:.4g}] against "
-               f"{ref.median_ms:.4g} ms [p10 {ref.p10_ms:.4g}, p90 {ref.p90_ms:.4g}] ({shift:+.1%})")
-    if m.p10_ms > ref.p90_ms and shift > MIN_SHIFT:
-        return Verdict(m, ref, "regressed", f"slower beyond the noise: {numbers}", changes)
-    if m.p90_ms < ref.p10_ms and shift < -MIN_SHIFT:
-        return Verdict(m, ref, "improved", f"faster beyond the noise: {numbers}", changes)
-    return Verdict(m, ref, "steady", f"within the noise: {numbers}", changes)
+    change, numbers = compare(measurement, ref)
+    kind, words = {"slower": ("regressed", "slower beyond the noise"), "faster": ("improved", "faster beyond the noise"),
+                   "within": ("steady", "within the noise")}[change]
+    return Verdict(measurement, ref, kind, f"{words}: {numbers}", changes)
 
 
 def judge_history(history: list[Measurement]) -> list[Verdict]:
@@ -122,16 +138,100 @@ def judge_history(history: list[Measurement]) -> list[Verdict]:
 
 
 @dataclass(frozen=True)
+class Pair:
+    """A timed measurement of a winner beside FLA's on the same stack at the same shape.
+
+    Args:
+        ours (Measurement): the winner's.
+        fla (Baseline): FLA's op's, measured nearest in time.
+        kind (str): ``"slower"``, ``"faster"`` or ``"even"`` (the noise rule, ours against FLA's), or
+            ``"fla_failed"`` (FLA's op did not pass the gate).
+    """
+
+    ours: Measurement
+    fla: Baseline
+    kind: str
+
+    @property
+    def ratio(self) -> float | None:
+        """Our median over FLA's; None when FLA's op was not timed."""
+        return self.ours.median_ms / self.fla.median_ms if self.fla.timed else None
+
+
+@dataclass(frozen=True)
+class VersusFla:
+    """A winner against FLA over its history: its pairs, oldest first (module docstring)."""
+
+    pairs: tuple[Pair, ...]
+
+    @property
+    def latest(self) -> Pair:
+        return self.pairs[-1]
+
+    @property
+    def kind(self) -> str:
+        """``fell_behind`` (flagged), ``behind``, ``faster``, ``even`` or ``fla_failed``: the latest pair's."""
+        if self.latest.kind != "slower":
+            return self.latest.kind
+        earlier = any(p.kind in ("faster", "even") for p in self.pairs[:-1])
+        return "fell_behind" if earlier else "behind"
+
+    @property
+    def flagged(self) -> bool:
+        """Whether this makes ``tune regress`` exit 1: the winner fell behind FLA."""
+        return self.kind == "fell_behind"
+
+    @property
+    def reason(self) -> str:
+        """The latest pair in words."""
+        pair = self.latest
+        if self.kind == "fla_failed":
+            errors = format_errors(pair.fla.gate_errors)
+            return f"FLA {pair.fla.fla_version}'s op did not pass the gate: {pair.fla.status}" + \
+                (f" ({errors})" if errors else "")
+        words = {"fell_behind": "slower than FLA beyond the noise, and it was not before",
+                 "behind": "slower than FLA in every comparison (tuner.ops calls FLA here)",
+                 "faster": "faster than FLA beyond the noise", "even": "even with FLA, within the noise"}[self.kind]
+        return f"{words}: {pair.ratio:.2f}x FLA {pair.fla.fla_version}, {compare(pair.ours, pair.fla)[1]}"
+
+
+def same_stack(a, b) -> bool:
+    """Whether two measurements ran on one stack, as far as FLA's time goes (``baseline.IDENTITY``)."""
+    return all(getattr(a.stack, field) == getattr(b.stack, field) for field in baseline.IDENTITY)
+
+
+def versus_fla(history: list[Measurement], baselines: list[Baseline]) -> VersusFla | None:
+    """One winner's ``history`` (oldest first) against ``baselines`` (FLA's op at the winner's shape):
+    each timed measurement paired with FLA's on the same stack nearest in time, judged; None
+    without a pair."""
+    pairs = []
+    for m in filter(_timed, history):
+        same = [b for b in baselines if same_stack(b, m)]
+        if not same:
+            continue
+        fla = min(same, key=lambda b: abs(b.measured_at - m.measured_at))
+        kind = "fla_failed" if not fla.timed else {"within": "even"}.get(change := compare(m, fla)[0], change)
+        pairs.append(Pair(m, fla, kind))
+    return VersusFla(tuple(pairs)) if pairs else None
+
+
+@dataclass(frozen=True)
 class Outcome:
-    """A winner and the verdict on its latest measurement (None: nothing recorded for it)."""
+    """A winner, the verdict on its latest measurement (None: nothing recorded for it) and how it
+    stands against FLA (None: no FLA measurement beside it)."""
 
     winner: Winner
     verdict: Verdict | None
     note: str = ""
+    versus: VersusFla | None = None
 
     @property
     def flagged(self) -> bool:
-        return self.verdict is not None and self.verdict.flagged
+        return (self.verdict is not None and self.verdict.flagged) or (self.versus is not None and self.versus.flagged)
+
+
+def _versus(store: Store, w: Winner, history: list[Measurement]) -> VersusFla | None:
+    return versus_fla(history, store.baselines(**w.problem.as_dict(), gpu=w.stack.gpu))
 
 
 def _selected(store: Store, names: list[str] | None) -> list[Winner]:
@@ -154,7 +254,7 @@ def replay(store: Store, names: list[str] | None = None) -> list[Outcome]:
     for w in _selected(store, names):
         history = store.history(w.id)
         verdict = judge(history[-1], history[:-1]) if history else None
-        outcomes.append(Outcome(w, verdict, "" if history else "no recorded measurement"))
+        outcomes.append(Outcome(w, verdict, "" if history else "no recorded measurement", _versus(store, w, history)))
     return outcomes
 
 
@@ -165,7 +265,9 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
     nothing about this one. A winner whose config now renders a different kernel (the template
     changed) is timed as it renders today, with a note saying so. Winners of one kernel at several
     shapes are gated once and timed at each shape in the same child (``gate_and_time``'s
-    ``also_at``): the gate does not depend on the shape.
+    ``also_at``): the gate does not depend on the shape. FLA's op is gated and timed at the shapes
+    of the timed winners too (when FLA is installed; a note says so otherwise), recorded as a
+    baseline, and each winner judged against it (:func:`versus_fla`).
 
     Args:
         store (Store): the results database, writable.
@@ -179,6 +281,7 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
         raise UserError("no CUDA device: `tune regress` re-times the winners on the GPU; "
                         "`tune regress --replay` judges the recorded history without one")
     from .candidate import Candidate
+    from .search import record_baselines
 
     env = stack.current(device)
     selected = _selected(store, names)
@@ -197,17 +300,24 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
         result = gate.gate_and_time(candidate, also_at=also_at, timeout_s=limits.GATE_S, device=device)
         for w in group:
             note = "" if digest == w.digest else f"template changed: kernel {w.digest} now renders as {digest}"
-            status, timing = result.status, (result.timing or {}) if result.status == "pass" else {}
-            if status == "pass" and w.problem.shape != first.problem.shape:
-                timing, failure = gate.shape_timing(result.timing_at, w.problem.shape)
-                if timing is None:
-                    status, note, timing = "crash", failure, {}
+            status, timing, failure = gate.outcome_at(result, w.problem.shape, first.problem.shape)
+            note = failure or note
             previous = store.history(w.id)
             measurement = store.add_measurement(Measurement(
                 winner_id=w.id, status=status, stack=env, gate_errors=result.errors,
                 median_ms=timing.get("median_ms"), p10_ms=timing.get("p10_ms"), p90_ms=timing.get("p90_ms"),
                 digest=digest))
             outcomes[w.id] = Outcome(w, judge(measurement, previous), note)
+    timed = [w for _, group in kernels.values() for w in group if baseline.has_baseline(w.problem.variant)]
+    version, missing = baseline.installed_version(), ""
+    if version is None:
+        missing = f"FLA is not installed: its op was not re-timed ({baseline.INSTALL})"
+    else:
+        record_baselines(dict.fromkeys(w.problem for w in timed), store, env, gate.gate_and_time, device, version)
+    for w in timed:
+        o = outcomes[w.id]
+        outcomes[w.id] = replace(o, note="; ".join(filter(None, (o.note, missing))),
+                                 versus=_versus(store, w, store.history(w.id)))
     return [outcomes[w.id] for w in selected]
 
 
@@ -246,23 +356,28 @@ def print_outcomes(outcomes: list[Outcome], replayed: bool) -> None:
 
     console = Console(width=200)
     table = Table(title="recorded history, latest measurement judged" if replayed else "re-measured winners")
-    for column in ("winner", "gpu", "verdict", "why", "stack changes", "note"):
+    for column in ("winner", "gpu", "verdict", "why", "stack changes", "against FLA", "note"):
         table.add_column(column)
-    styles = {"failed": "bold red", "regressed": "bold red", "improved": "green"}
+    styles = {"failed": "bold red", "regressed": "bold red", "improved": "green", "fell_behind": "bold red",
+              "faster": "green"}
+
+    def styled(kind: str) -> str:
+        return f"[{styles[kind]}]{kind}[/]" if kind in styles else kind
+
     distinct = distinctions([o.winner for o in outcomes])
     for o in sorted(outcomes, key=lambda o: not o.flagged):
-        v = o.verdict
-        kind = v.kind if v else "-"
-        shown = f"[{styles[kind]}]{kind}[/]" if kind in styles else kind
+        v, versus = o.verdict, o.versus
         label = " · ".join(filter(None, (winner_label(o.winner), distinct[o.winner.id])))
-        cells = (label, o.winner.stack.gpu, v.reason if v else "",
-                 ", ".join(v.changes) if v else "", o.note)
-        label, gpu, reason, changes, note = map(escape, cells)  # reasons hold "[p10 ..., p90 ...]"
-        table.add_row(label, gpu, shown, reason, changes, note)
+        cells = (label, o.winner.stack.gpu, v.reason if v else "", ", ".join(v.changes) if v else "",
+                 versus.reason if versus else "", o.note)
+        label, gpu, reason, changes, fla, note = map(escape, cells)  # reasons hold "[p10 ..., p90 ...]"
+        table.add_row(label, gpu, styled(v.kind if v else "-"), reason, changes,
+                      f"{styled(versus.kind)}: {fla}" if versus else "-", note)
     console.print(table)
     flagged = sum(o.flagged for o in outcomes)
-    console.print(f"{flagged} of {len(outcomes)} winners regressed" if flagged
-                  else f"no regression among {len(outcomes)} winners")
+    behind = sum(o.versus is not None and o.versus.flagged for o in outcomes)
+    console.print((f"{flagged} of {len(outcomes)} winners regressed" + (f" ({behind} fell behind FLA)" if behind else ""))
+                  if flagged else f"no regression among {len(outcomes)} winners")
 
 
 def regress_main(db: str, names: list[str] | None = None, *, replay_only: bool = False, device: int = 0) -> int:

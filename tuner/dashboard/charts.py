@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.transforms import ScaledTranslation
 
-from ..regress import Verdict, stack_changes, winner_label
+from ..regress import Verdict, VersusFla, stack_changes, winner_label
 from ..store import CalibrationPoint, Winner
 from .data import config_text, is_miss, problem_of_row, stack_label
 
@@ -41,8 +41,8 @@ VERDICT_COLOURS = {"first": "#2563eb", "steady": "#2563eb", "improved": "#15803d
 PALETTE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#0891b2", "#be123c")
 REFERENCE_BAND, WHISKER, TRIAL = "#dbeafe", "#94a3b8", "#94a3b8"
 STACK_CHANGE, STACK_CHANGE_TEXT = "#a855f7", "#7e22ce"
-FLA_BARS = (("ours_ms", "ours", "ours", "#2563eb"), ("fla_ms", "fla", "FLA", "#9333ea"),
-            ("floor_ms", "floor", "floor", "#64748b"))
+OURS, FLA, FLOOR = "#2563eb", "#9333ea", "#64748b"
+FLA_BARS = (("ours_ms", "ours", "ours", OURS), ("fla_ms", "fla", "FLA", FLA), ("floor_ms", "floor", "floor", FLOOR))
 IMPORTANCE = "#0f766e"
 
 STYLE = {
@@ -121,11 +121,24 @@ def short_change(change: str) -> str:
     return f"{before.split(' ')[0]} {after}"
 
 
+def flag(chart: Chart, ax: Axes, x: float, y: float, classes: str, tip: str) -> None:
+    """A red downward triangle 10 points above (x, y): the mark of a flagged measurement."""
+    above = ax.transData + ScaledTranslation(0, 10 / 72, chart.figure.dpi_scale_trans)
+    chart.mark(ax.plot(x, y, "v", ms=10, color=VERDICT_COLOURS["regressed"], transform=above)[0], classes, tip)
+
+
+def dated_axis(ax: Axes, dates: list) -> None:
+    """One x position per measurement, at most ten of them labelled with their day."""
+    n = len(dates)
+    ax.set_xlim(-0.6, max(n - 0.4, 0.6))
+    every = max(1, math.ceil(n / 10))
+    ax.set_xticks(range(0, n, every), [f"{d:%m-%d}" for d in dates[::every]])
+
+
 @matplotlib.rc_context(STYLE)
 def history_chart(winner: Winner, verdicts: list[Verdict]) -> Markup:
     """Latency of each measurement of ``winner`` (median, p10-p90 whisker) in order, the latest
     verdict's reference band shaded, stack changes as dashed lines, regressions and failures marked."""
-    n = len(verdicts)
     chart = Chart("chart-history", f"latency history: {winner_label(winner)} on {winner.stack.gpu}", 760, 300)
     ax = chart.axes("measurement (date)", "latency (ms)")
     reference = verdicts[-1].reference
@@ -133,7 +146,7 @@ def history_chart(winner: Winner, verdicts: list[Verdict]) -> Markup:
         chart.mark(ax.axhspan(reference.p10_ms, reference.p90_ms, color=REFERENCE_BAND, lw=0), "reference-band",
                    f"reference {reference.median_ms:.4g} ms, p10-p90 {reference.p10_ms:.4g}-{reference.p90_ms:.4g}"
                    f" ms ({reference.measured_at:%Y-%m-%d})")
-    for i in range(1, n):
+    for i in range(1, len(verdicts)):
         changes = stack_changes(verdicts[i - 1].measurement, verdicts[i].measurement)
         if changes:
             chart.mark(ax.axvline(i - 0.5, color=STACK_CHANGE, lw=1, ls=(0, (4, 3))), "stack-change",
@@ -145,7 +158,6 @@ def history_chart(winner: Winner, verdicts: list[Verdict]) -> Markup:
         xs, ms = zip(*timed)
         ax.plot(xs, [m.median_ms for m in ms], color=PALETTE[0], lw=1.8)
         ax.vlines(xs, [m.p10_ms for m in ms], [m.p90_ms for m in ms], color=WHISKER, lw=1.2)
-    above = ax.transData + ScaledTranslation(0, 10 / 72, chart.figure.dpi_scale_trans)
     for i, v in enumerate(verdicts):
         m, colour = v.measurement, VERDICT_COLOURS[v.kind]
         tip = (f"{m.measured_at:%Y-%m-%d %H:%M} · {stack_label(m)}\n{v.kind}: {v.reason}"
@@ -156,13 +168,44 @@ def history_chart(winner: Winner, verdicts: list[Verdict]) -> Markup:
             continue
         chart.mark(ax.plot(i, m.median_ms, "o", ms=7, color=colour, mec="white")[0], f"point {v.kind}", tip)
         if v.kind == "regressed":
-            chart.mark(ax.plot(i, m.p90_ms, "v", ms=10, color=colour, transform=above)[0], "marker regressed", tip)
+            flag(chart, ax, i, m.p90_ms, "marker regressed", tip)
     floor_at_zero(ax)
     lo, hi = ax.get_ylim()
     ax.set_ylim(lo, hi + 0.2 * (hi - lo))  # headroom for the regression markers and stack-change labels
-    ax.set_xlim(-0.6, max(n - 0.4, 0.6))
-    every = max(1, math.ceil(n / 10))
-    ax.set_xticks(range(0, n, every), [f"{v.measurement.measured_at:%m-%d}" for v in verdicts[::every]])
+    dated_axis(ax, [v.measurement.measured_at for v in verdicts])
+    return chart.svg()
+
+
+@matplotlib.rc_context(STYLE)
+def versus_chart(winner: Winner, versus: VersusFla) -> Markup:
+    """The winner's latency and FLA's beside it, pair by pair in time (median, p10-p90 whisker), the
+    memory-bound floor dashed; a winner that fell behind FLA marked on its latest point."""
+    chart = Chart("chart-versus", f"against FLA: {winner_label(winner)} on {winner.stack.gpu}", 760, 280)
+    ax = chart.axes("measurement (date)", "latency (ms)")
+    pairs = versus.pairs
+    floor = next((p.fla.floor_ms for p in reversed(pairs) if p.fla.floor_ms is not None), None)
+    if floor is not None:
+        chart.mark(ax.axhline(floor, color=FLOOR, lw=1, ls=(0, (4, 3))), "floor",
+                   f"memory-bound floor {floor:.4g} ms")
+    for side, colour, label, of in (("ours", OURS, "ours", lambda p: p.ours), ("fla", FLA, "FLA", lambda p: p.fla)):
+        timed = [(i, of(p)) for i, p in enumerate(pairs) if of(p).median_ms is not None]
+        if not timed:
+            continue
+        xs, ms = zip(*timed)
+        chart.mark(ax.plot(xs, [m.median_ms for m in ms], color=colour, lw=1.8, label=label)[0], f"series {side}")
+        ax.vlines(xs, [m.p10_ms for m in ms], [m.p90_ms for m in ms], color=WHISKER, lw=1.2)
+        for i, m in timed:
+            pair = pairs[i]
+            ratio = f" ({pair.ratio:.2f}x FLA)" if pair.ratio is not None else ""
+            chart.mark(ax.plot(i, m.median_ms, "o", ms=7, color=colour, mec="white")[0], f"point {side}",
+                       f"{m.measured_at:%Y-%m-%d %H:%M} · {label} {m.median_ms:.4g} ms{ratio}")
+    if versus.flagged:
+        flag(chart, ax, len(pairs) - 1, versus.latest.ours.p90_ms, "marker fell_behind", versus.reason)
+    floor_at_zero(ax)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + 0.15 * (hi - lo))  # headroom for the marker
+    dated_axis(ax, [p.ours.measured_at for p in pairs])
+    ax.legend(loc="lower right")
     return chart.svg()
 
 

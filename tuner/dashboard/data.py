@@ -11,9 +11,9 @@ from pathlib import Path
 from .. import variants
 from ..errors import UserError
 from ..problem import Problem
-from ..regress import Verdict, distinctions, judge_history
+from ..regress import Verdict, VersusFla, distinctions, judge_history, versus_fla
 from ..status import Status
-from ..store import CalibrationPoint, Measurement, Store, TrialRecord, Winner
+from ..store import Baseline, CalibrationPoint, Measurement, Store, TrialRecord, Winner
 
 DEFAULT_VS_FLA = variants.ROOT / "benchmarks" / "vs_fla.json"
 PROBLEM_FIELDS = ("variant", "dk", "dv", "dtype", "batch", "seqlen", "heads")
@@ -34,7 +34,7 @@ def config_text(config: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
 
 
-def stack_label(m: Measurement | Winner) -> str:
+def stack_label(m: Measurement | Winner | Baseline) -> str:
     e = m.stack
     return f"TileLang {e.tilelang} · CUDA {e.cuda} · driver {e.driver} · torch {e.torch}"
 
@@ -121,6 +121,7 @@ class ProblemView:
     problem: Problem
     winners: list[tuple[Winner, list[Verdict]]] = field(default_factory=list)
     studies: dict[str, list[TrialRecord]] = field(default_factory=dict)
+    versus: dict[int, VersusFla] = field(default_factory=dict)  # by winner id, where FLA was measured beside it
 
     @property
     def page(self) -> str:
@@ -138,7 +139,7 @@ class ProblemView:
 
     @property
     def flagged(self) -> bool:
-        return any(v.flagged for v in self.latest)
+        return any(v.flagged for v in self.latest) or any(v.flagged for v in self.versus.values())
 
     @property
     def distinctions(self) -> dict[int, str]:
@@ -161,8 +162,15 @@ def collect(store: Store) -> list[ProblemView]:
     history: dict[int, list[Measurement]] = defaultdict(list)
     for m in store.history():
         history[m.winner_id].append(m)
+    baselines: dict[tuple, list[Baseline]] = defaultdict(list)
+    for b in store.baselines():
+        baselines[b.problem, b.stack.gpu].append(b)
     for w in store.winners():
-        views.setdefault(w.problem, ProblemView(w.problem)).winners.append((w, judge_history(history[w.id])))
+        view = views.setdefault(w.problem, ProblemView(w.problem))
+        view.winners.append((w, judge_history(history[w.id])))
+        versus = versus_fla(history[w.id], baselines[w.problem, w.stack.gpu])
+        if versus is not None:
+            view.versus[w.id] = versus
     for t in store.trials():
         views.setdefault(t.problem, ProblemView(t.problem)).studies.setdefault(t.study, []).append(t)
     order = list(variants.VARIANTS)

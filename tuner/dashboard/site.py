@@ -81,6 +81,7 @@ def problem_page(view: ProblemView, fla_rows: list[dict] | None, generated: date
     return render(
         "problem.html", title=view.title, generated=generated, view=view, distinct=view.distinctions,
         history_charts={w.id: charts.history_chart(w, verdicts) for w, verdicts in view.winners if verdicts},
+        versus_charts={w.id: charts.versus_chart(w, view.versus[w.id]) for w, _ in view.winners if w.id in view.versus},
         registers={w.id: registers(view.trial_of(w)) for w, _ in view.winners},
         convergence=convergence(view),
         parameters=[(name, charts.parameters_chart(e), e) for name, e in effects.items() if e],

@@ -5,6 +5,7 @@
 - :mod:`.compiling`: the compile pool's processes.
 - :mod:`.recorder`: the rows, the claims, the winners, the summary.
 - :mod:`.workers`: one worker process per GPU on one study.
+- :mod:`.baselines`: FLA's op timed beside the kernels, at every shape tuned.
 
 Tuning for several shapes at once (``also_at``, CLI ``--also-at BxTxH``): the search follows the
 problem's shape, and every kernel judged is also recorded in the study of each other shape (a
@@ -19,6 +20,10 @@ re-proposes the trials of workers that died (on this host at once, elsewhere onc
 ``limits.GRACE_S`` old). ``trials`` is the number of kernels the study should have judged, over all
 its workers.
 
+Before the search, FLA's op is gated and timed at every shape tuned (the problem's and ``also_at``'s)
+when FLA is installed and the run gates, unless it was measured on this stack with this FLA version
+already: the baseline each winner is shown and judged against (:mod:`.baselines`).
+
 Outcomes reach Optuna as follows: ``pass`` is COMPLETE with the median latency (ms) as the value
 to minimise; every other outcome is PRUNED, infeasible ones with a positive constraint so TPE
 steers away from them (``compiled`` is feasible: judged, just not timed); FAIL only marks a trial
@@ -32,13 +37,15 @@ from ..gate import gate_and_time
 from ..problem import Problem
 from ..space import Space
 from ..store import Store
+from .baselines import record_baselines, time_missing_baselines
 from .compiling import compile_for_gate
 from .recorder import Recorder, TuneSummary, best, judged_count, summarise
 from .runner import Observer, Runner, Study
 from .strategy import open_study, study_name
 
 __all__ = ["DEFAULT_TRIALS", "Observer", "TuneSummary", "best", "companion_problems", "compile_for_gate",
-           "judged_count", "open_studies", "study_name", "summarise", "tune"]
+           "judged_count", "open_studies", "record_baselines", "study_name", "summarise", "time_missing_baselines",
+           "tune"]
 
 DEFAULT_TRIALS = 40
 
@@ -65,7 +72,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         observer (Observer): told of the run's progress (the CLI's shows it). Default: one that
             prints notes only.
         gate (callable): ``gate(candidate, timeout_s=, device=) -> GateResult`` to gate and time
-            with (called with ``also_at=`` too when there are more shapes); None:
+            with (called with ``also_at=`` too when there are more shapes), FLA's op included; None:
             :func:`tuner.gate.gate_and_time` when a GPU is present, no gating otherwise.
         fixed (dict): parameters held at one value (name -> value; CLI ``--fix NAME=VALUE``): a
             search of the rest of the space, in a study of its own. Default: None.
@@ -96,6 +103,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
             observer.note(f"the values of {', '.join(changed)} in the {p.variant} search space changed since the "
                           f"study began: continuing in study {strategy.name}")
         studies.append(Study(p, strategy, Recorder(store, p, here, strategy.name)))
+    time_missing_baselines([problem, *companions], store, here, gate, gpu, observer.note)
     runner = Runner(studies[0], studies[1:], jobs=jobs, gpu=gpu, register_budget=register_budget, gate=gate,
                     observer=observer, seed=seed, compile_log=f"{log_base(store)}.compile.log")
     runner.run(trials, timeout)

@@ -24,9 +24,9 @@ from sqlalchemy.orm import Session
 from .. import limits
 from ..errors import DatabaseError
 from ..paths import is_shipped
-from .records import CalibrationPoint, Measurement, TrialRecord, Winner, utcnow
-from .schema import (STACK_COLUMNS, WINNER_KEY, Base, CalibrationModel, ClaimModel, HistoryModel, TrialModel,
-                     WinnerModel, columns_of, record_of)
+from .records import Baseline, CalibrationPoint, Measurement, TrialRecord, Winner, utcnow
+from .schema import (STACK_COLUMNS, WINNER_KEY, Base, BaselineModel, CalibrationModel, ClaimModel, HistoryModel,
+                     TrialModel, WinnerModel, columns_of, record_of)
 
 T = TypeVar("T")
 
@@ -113,14 +113,15 @@ class Store:
                 raise DatabaseError("read-only access is only offered for SQLite files")
             self.url = os.fspath(path_or_url)
             self._engine = sa.create_engine(self.url, pool_pre_ping=True)
-        self._has_tables = True
         if readonly:
-            self._has_tables = self._retrying(lambda: sa.inspect(self._engine).has_table(TrialModel.__tablename__))
+            # What is there to read: a database written before a table existed lacks it.
+            self._tables = set(self._retrying(lambda: sa.inspect(self._engine).get_table_names()))
         else:
             if self.path is not None:
                 self._retrying(self._check_writable)
             with self.schema_lock():
                 self._retrying(lambda: Base.metadata.create_all(self._engine))
+            self._tables = set(Base.metadata.tables)
 
     def _sqlite_engine(self) -> sa.Engine:
         # SQLite's own busy handler waits up to a second per attempt; _retrying() retries with
@@ -240,6 +241,21 @@ class Store:
     def close(self) -> None:
         self._engine.dispose()
 
+    def _has(self, model) -> bool:
+        return model.__tablename__ in self._tables
+
+    def _append(self, model, record: T) -> T:
+        """``record`` inserted as a new row of ``model``; returned with its id."""
+        values = columns_of(record)
+
+        def work(s: Session) -> T:
+            row = model(**values)
+            s.add(row)
+            s.flush()
+            return record_of(type(record), row)
+
+        return self.run(work)
+
     # ---- trials
 
     def record_trial(self, record: TrialRecord) -> bool:
@@ -249,7 +265,7 @@ class Store:
 
     def trials(self, study: str | None = None, digest: str | None = None) -> list[TrialRecord]:
         """Recorded trials, of one study or all, of one kernel (digest) or all, in recording order."""
-        if not self._has_tables:
+        if not self._has(TrialModel):
             return []
         query = sa.select(TrialModel).order_by(TrialModel.id)
         if study is not None:
@@ -313,7 +329,7 @@ class Store:
 
     def winners(self, **where) -> list[Winner]:
         """Stored winners whose columns equal ``where`` (e.g. ``variant="gdn", dk=128``)."""
-        if not self._has_tables:
+        if not self._has(WinnerModel):
             return []
         query = sa.select(WinnerModel).filter_by(**where).order_by(WinnerModel.id)
         return self.run(lambda s: [record_of(Winner, r) for r in s.scalars(query)])
@@ -322,24 +338,29 @@ class Store:
 
     def add_measurement(self, measurement: Measurement) -> Measurement:
         """Append a re-measurement of a stored winner."""
-        values = columns_of(measurement)
-
-        def work(s: Session) -> Measurement:
-            row = HistoryModel(**values)
-            s.add(row)
-            s.flush()
-            return record_of(Measurement, row)
-
-        return self.run(work)
+        return self._append(HistoryModel, measurement)
 
     def history(self, winner_id: int | None = None) -> list[Measurement]:
         """Measurements of one winner or of all, oldest first."""
-        if not self._has_tables:
+        if not self._has(HistoryModel):
             return []
         query = sa.select(HistoryModel).order_by(HistoryModel.measured_at, HistoryModel.id)
         if winner_id is not None:
             query = query.where(HistoryModel.winner_id == winner_id)
         return self.run(lambda s: [record_of(Measurement, r) for r in s.scalars(query)])
+
+    # ---- FLA's baselines
+
+    def add_baseline(self, baseline: Baseline) -> Baseline:
+        """Append a measurement of FLA's op."""
+        return self._append(BaselineModel, baseline)
+
+    def baselines(self, **where) -> list[Baseline]:
+        """Measurements of FLA's op whose columns equal ``where`` (e.g. ``variant="gdn", gpu=...``), oldest first."""
+        if not self._has(BaselineModel):
+            return []
+        query = sa.select(BaselineModel).filter_by(**where).order_by(BaselineModel.measured_at, BaselineModel.id)
+        return self.run(lambda s: [record_of(Baseline, r) for r in s.scalars(query)])
 
     # ---- calibration
 
@@ -356,7 +377,7 @@ class Store:
 
     def calibration(self, **where) -> list[CalibrationPoint]:
         """Calibration points whose columns equal ``where`` (e.g. ``variant="kda"``)."""
-        if not self._has_tables:
+        if not self._has(CalibrationModel):
             return []
         query = sa.select(CalibrationModel).filter_by(**where).order_by(CalibrationModel.id)
         return self.run(lambda s: [record_of(CalibrationPoint, r) for r in s.scalars(query)])

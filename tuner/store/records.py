@@ -1,5 +1,6 @@
 """Rows as they leave the results database: frozen records of trials, winners, their
-measurements and calibration points, and the shape buckets winners are kept by."""
+measurements, FLA's baseline measurements and calibration points, and the shape buckets winners are
+kept by."""
 from __future__ import annotations
 
 import math
@@ -138,6 +139,39 @@ class Measurement:
     digest: str | None = None
     measured_at: datetime = field(default_factory=utcnow)
     id: int | None = None
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One measurement of FLA's op for a problem (``tuner.baseline``), at the problem's shape on
+    ``stack`` with FLA ``fla_version``: the gate's verdict (``status``, ``gate_errors``, and why it
+    did not pass in ``message``) and, on a pass, the timing and the memory-bound floor at that shape."""
+
+    problem: Problem
+    stack: Stack
+    fla_version: str
+    status: str
+    median_ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    floor_ms: float | None = None
+    gate_errors: dict | None = None
+    message: str = ""
+    measured_at: datetime = field(default_factory=utcnow)
+    id: int | None = None
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @property
+    def bucket(self) -> ShapeBucket:
+        return shape_bucket(self.problem.batch, self.problem.seqlen, self.problem.heads)
+
+    @property
+    def timed(self) -> bool:
+        """Whether it passed the gate and has a latency."""
+        return self.status == Status.PASS and self.median_ms is not None
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,24 @@ class HistoryModel(_StackColumns, Base):
     measured_at: Mapped[datetime]
 
 
+class BaselineModel(_ProblemColumns, _StackColumns, Base):
+    """A measurement of FLA's op beside the winners: when a problem is tuned, and at every later
+    ``tune regress``. A database written before this table existed reads as having no baselines."""
+
+    __tablename__ = "tuner_baselines"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    fla_version: Mapped[str] = mapped_column(sa.String(64))
+    status: Mapped[str] = mapped_column(sa.String(16))
+    median_ms: Mapped[float | None]
+    p10_ms: Mapped[float | None]
+    p90_ms: Mapped[float | None]
+    floor_ms: Mapped[float | None]
+    gate_errors: Mapped[dict | None]
+    message: Mapped[str] = mapped_column(sa.Text, default="")
+    measured_at: Mapped[datetime]
+
+
 class ClaimModel(Base):
     """Which trial of a study judges a kernel (digest): the first to claim it. Workers that
     propose the same kernel meanwhile wait for that trial's outcome instead of judging it again."""

@@ -1,0 +1,124 @@
+"""FLA as a baseline (tuner.baseline): the backend switch, FLA's version read without importing it,
+the module that runs FLA's op of each variant, and that module through the real gate's child on the
+CPU with the stand-in FLA (tests/fla_standin): checked against the fp64 oracle, timed at every shape,
+FLA's backend dispatch off, a wrong or another FLA seen."""
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from tuner import baseline, gate, reference, variants
+from tuner.bench import memory_floor_ms
+from tuner.errors import UserError
+from tuner.inputs import make_inputs
+from tuner.problem import Problem
+from tuner.store import Store
+
+SMALL = Problem("gdn", 64, 64, batch=1, seqlen=128, heads=2)
+CPU_GATE = dict(regimes=["default"], seqlens=(64,), batch=1, heads=1, seeds=(0,), rep=3, warmup_ms=1)
+
+
+def test_the_backend_is_the_argument_else_the_environment_else_auto(monkeypatch):
+    monkeypatch.delenv(baseline.BACKEND_ENV, raising=False)
+    assert baseline.backend_choice() == "auto"
+    monkeypatch.setenv(baseline.BACKEND_ENV, "tuner")
+    assert baseline.backend_choice() == "tuner"
+    assert baseline.backend_choice("fla") == "fla"
+    monkeypatch.setenv(baseline.BACKEND_ENV, "triton")
+    with pytest.raises(UserError, match=r"^LINATTN_BACKEND='triton' is not a backend; accepted: auto, tuner, fla$"):
+        baseline.backend_choice()
+    with pytest.raises(UserError, match=r"^backend='FLA' is not a backend"):
+        baseline.backend_choice("FLA")
+
+
+def test_without_fla_nothing_is_installed_and_asking_for_it_says_how_to_install_it():
+    assert baseline.installed_version() is None
+    with pytest.raises(baseline.FlaUnavailable, match=r"pip install 'linattn-tuner\[fla\]'"):
+        baseline.fla_ops()
+
+
+def test_the_stand_in_reads_as_installed_from_its_metadata_without_being_imported(fla_standin):
+    assert baseline.installed_version() == fla_standin == "0.6.0+standin"
+    assert "fla" not in sys.modules
+    assert baseline.fla_ops().chunk_kda.__module__ == "fla.ops"
+
+
+def load(source: str) -> types.ModuleType:
+    module = types.ModuleType("baseline_under_test")
+    exec(compile(source, "baseline_under_test", "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize("variant", list(variants.VARIANTS))
+def test_the_baseline_module_computes_the_variants_recurrence_with_fla(variant, fla_standin, monkeypatch):
+    # The stand-in's ops are FLA's signatures on the oracle: chunk_retention with RetNet's fixed decays
+    # would not match the gate's per-head decays, chunk_linear_attn normalises unless told not to.
+    monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "0")  # the module turns it off before importing FLA
+    problem = Problem(variant, 64, 64, "bf16", batch=2, seqlen=40, heads=3)
+    module = load(baseline.source(variant, fla_standin))
+    assert module.programs() == []
+    x = make_inputs(problem, "initial_state", seed=1)
+    o, state = module.forward({}, **x)
+    ref_o, ref_state = reference.chunked(variant, **x, output_final_state=True)
+    for out, ref in ((o, ref_o), (state, ref_state)):
+        assert ((out.double() - ref).norm() / ref.norm()).item() < problem.tolerance
+    fla = sys.modules["fla.ops"]
+    assert fla.calls == [baseline.fla_call(variant)[0]] and fla.DISPATCH_DISABLED
+    expected = "chunk_simple_gla" if variant == "decay" else variants.get(variant).fla_op
+    assert baseline.fla_call(variant)[0] == expected
+
+
+def test_the_baseline_module_refuses_another_fla_version(fla_standin, monkeypatch):
+    monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")
+    module = load(baseline.source("gdn", "0.5.0"))
+    x = make_inputs(SMALL, seqlen=16)
+    with pytest.raises(ImportError, match=r"FLA 0.6.0\+standin is installed; this baseline was written for FLA 0.5.0"):
+        module.forward({}, **x)
+
+
+def test_a_decode_kernel_has_no_baseline():
+    assert not baseline.has_baseline("gdn_recurrent") and baseline.has_baseline("gdn")
+    with pytest.raises(UserError, match="decode kernel"):
+        baseline.fla_call("gdn_recurrent")
+
+
+def test_fla_is_timed_by_the_gates_child_at_every_shape_with_its_backend_dispatch_off(fla_standin, tmp_path,
+                                                                                      monkeypatch):
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FLA_STANDIN_LOG", str(log))
+    candidate = baseline.candidate(SMALL, fla_standin)
+    assert candidate.config == {"backend": "fla"} and candidate.twin is None
+    result = gate.gate_and_time(candidate, also_at=("1x256x2",), timeout_s=120, device=0, **CPU_GATE)
+    assert result.status == "pass", result.message
+    assert result.errors["default"]["o"] < 1e-2
+    large = result.timing_at["1x256x2"]
+    assert result.timing["p10_ms"] <= result.timing["median_ms"] <= result.timing["p90_ms"]
+    assert (result.timing["floor_ms"], large["floor_ms"]) == (memory_floor_ms(SMALL), memory_floor_ms(SMALL.at("1x256x2")))
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls and all(c == {"op": "chunk_gated_delta_rule", "dispatch_disabled": True} for c in calls)
+
+
+def test_a_wrong_fla_fails_the_gate(fla_standin, monkeypatch):
+    monkeypatch.setenv("FLA_STANDIN_WRONG", "1")
+    result = gate.gate_and_time(baseline.candidate(SMALL, fla_standin), timeout_s=120, device=0, **CPU_GATE)
+    assert result.status == "mismatch" and result.timing is None
+    assert result.errors["default"]["o"] == pytest.approx(0.05, rel=0.05)
+
+
+def test_another_fla_than_the_baselines_is_a_crash_with_the_reason(fla_standin):
+    result = gate.gate_and_time(baseline.candidate(SMALL, "0.5.0"), timeout_s=120, device=0, **CPU_GATE)
+    assert result.status == "crash" and "this baseline was written for FLA 0.5.0" in result.message
+
+
+def test_using_the_tuner_imports_no_fla(fla_standin, tmp_path):
+    # FLA (Triton, its models) is imported only where it runs: a lookup, the ops module, a tuning
+    # run's modules leave it alone even when it is installed.
+    code = ("import sys, tuner, tuner.ops, tuner.search, tuner.regress, tuner.dashboard; "
+            "tuner.best_config('gdn', 128, db=sys.argv[1]); print(tuner.baseline.installed_version(), 'fla' in sys.modules)")
+    db = tmp_path / "empty.db"
+    Store(db).close()
+    out = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [fla_standin, "False"]
