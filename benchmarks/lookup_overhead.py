@@ -40,7 +40,7 @@ def warm_lookup_us(number: int = 10000) -> float:
 def call_overhead(shape: tuple[int, int, int]) -> dict:
     import torch
 
-    from tuner import ops
+    from tuner import baseline, ops
     from tuner.bench import time_forward
     from tuner.inputs import make_inputs
     from tuner.problem import Problem
@@ -50,7 +50,9 @@ def call_overhead(shape: tuple[int, int, int]) -> dict:
     x = make_inputs(problem, seed=0, device="cuda")
     op = lambda: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])  # noqa: E731
     op()
-    config = ops._config(problem, 0)
+    fla, config = ops._plan(problem, 0, baseline.backend_choice())
+    if fla is not None:
+        raise SystemExit(f"lookup_overhead: tuner.ops runs FLA at {B}x{T}x{H}; LINATTN_BACKEND=tuner measures ours")
     module, kernels = ops._compiled("gdn", 128, 128, "bf16", config)
     bare = lambda: module.forward(kernels, x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"])  # noqa: E731
 

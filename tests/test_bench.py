@@ -57,14 +57,20 @@ def test_cuda_timing_of_a_copy_is_near_the_copy_rate():
     assert 0.5 * H200_COPY_GBPS < rate_gbps < 1.2 * H200_COPY_GBPS
 
 
-def test_vs_fla_merge_replaces_remeasured_rows_and_keeps_the_rest(tmp_path):
-    """benchmarks/vs_fla.py --merge: the committed table is built over several runs on the GPU."""
+def load_vs_fla():
+    """benchmarks/vs_fla.py as a module (it is a script, not part of the package)."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("vs_fla", Path(__file__).parents[1] / "benchmarks" / "vs_fla.py")
     vs_fla = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vs_fla)
+    return vs_fla
+
+
+def test_vs_fla_merge_replaces_remeasured_rows_and_keeps_the_rest(tmp_path):
+    """benchmarks/vs_fla.py --merge: the committed table is built over several runs on the GPU."""
+    vs_fla = load_vs_fla()
 
     def row(variant, dk, shape, ms, run):
         b, t, h = shape
@@ -78,3 +84,25 @@ def test_vs_fla_merge_replaces_remeasured_rows_and_keeps_the_rest(tmp_path):
     assert [(r["variant"], r["dk"], r["seqlen"], r["run"]) for r in merged] == [
         ("linear", 128, 8192, "old"), ("gdn", 128, 8192, "new"), ("gdn", 128, 32768, "old"), ("gdn", 64, 8192, "new")]
     assert vs_fla.load_rows(str(tmp_path / "absent.json")) == []
+
+
+def test_vs_fla_judges_the_dispatch_against_the_faster_of_ours_and_fla():
+    vs_fla = load_vs_fla()
+
+    def row(ours, fla, dispatch, backend, **extra):
+        r = {"variant": "gla", "dk": 128, "dv": 128, "dtype": "bf16", "batch": 4, "seqlen": 8192, "heads": 16,
+             "ours_ms": ours, "fla_ms": fla, "ratio": ours / fla, "floor_ms": 0.188, "floor_fraction": 0.188 / ours,
+             "rel_l2_vs_fla": 3e-3, "within_tolerance": True, "dispatch_ms": dispatch, "dispatch_backend": backend,
+             **extra}
+        return {**r, "dispatch_vs_best": vs_fla.dispatch_vs_best(r)}
+
+    fla_wins, ours_win, slow = row(4.34, 1.389, 1.40, "fla"), row(0.807, 0.845, 0.81, "tuner"), row(0.8, 1.0, 0.9, "tuner")
+    assert fla_wins["dispatch_vs_best"] == pytest.approx(1.40 / 1.389) and vs_fla.DISPATCH_LIMIT == 1.02
+    assert slow["dispatch_vs_best"] == pytest.approx(1.125)
+    error = {**fla_wins, "error": "RuntimeError: out of memory"}
+    assert vs_fla.over_the_limit([fla_wins, ours_win, slow, error]) == [slow, error]
+    old = {k: v for k, v in ours_win.items() if not k.startswith("dispatch")}  # measured before the column
+    lines = vs_fla.table([fla_wins, old]).splitlines()
+    assert "disp/best" in lines[0] and "runs" in lines[0]
+    assert "    1.400     1.008  fla" in lines[2] and "4.340    1.389     3.12" in lines[2]
+    assert "        -         -  -" in lines[3]

@@ -1,7 +1,8 @@
 """`tune dashboard` on a real SQLite file built through tuner.store: the site opens from disk in
 a headless Chromium (Selenium, chromedriver) with no console error and no request leaving the
-folder, draws its charts (matplotlib's SVG, inlined), and marks the recorded slowdown (and only
-that one)."""
+folder, draws its charts (matplotlib's SVG, inlined), marks the recorded slowdown (and only that
+one), and shows each winner against FLA's op measured beside it (a database without FLA's
+measurements says so)."""
 import json
 import random
 import re
@@ -17,7 +18,7 @@ import pytest
 from tuner.dashboard.data import parameter_effects
 from tuner.stack import Stack
 from tuner.problem import Problem
-from tuner.store import CalibrationPoint, Measurement, Store, TrialRecord, Winner
+from tuner.store import Baseline, CalibrationPoint, Measurement, Store, TrialRecord, Winner
 
 from browser import Browser, missing
 
@@ -27,6 +28,7 @@ NEW_DRIVER = replace(H200, driver="575.51.03")
 SLOW = Problem("gdn", 128, 128, "bf16", 4, 8192, 16)     # slowed down by the TileLang upgrade
 STEADY = Problem("kda", 64, 64, "bf16", 2, 4096, 32)     # survived a driver upgrade unchanged
 T0 = datetime(2026, 3, 1, 12, 0)
+FLOOR_MS = 0.25
 
 
 def page_name(p: Problem) -> str:
@@ -61,9 +63,11 @@ def tune_study(store: Store, problem: Problem, seed: int) -> TrialRecord:
     return best
 
 
-def record_winner(store: Store, problem: Problem, seed: int, later: list[tuple[Stack, float, float]]) -> None:
+def record_winner(store: Store, problem: Problem, seed: int, later: list[tuple[Stack, float, float]],
+                  fla: float) -> None:
     """Tune ``problem``, store its winner, then one re-measurement per (stack, median relative to the
-    winner's, relative spread)."""
+    winner's, relative spread); FLA's op measured beside each measurement (the tuning one too) on its
+    stack, ``fla`` times the winner's median, its spread 2%."""
     best = tune_study(store, problem, seed)
     w = store.write_winner(Winner(problem, H200, best.digest, best.config, best.median_ms, best.p10_ms, best.p90_ms,
                                   best.gate_errors, best.study, best.number, updated_at=T0), "pass")
@@ -71,6 +75,10 @@ def record_winner(store: Store, problem: Problem, seed: int, later: list[tuple[S
         median = w.median_ms * factor
         store.add_measurement(Measurement(w.id, "pass", env, median, median * (1 - spread), median * (1 + spread),
                                           {"uniform": {"o": 2e-3}}, measured_at=T0 + timedelta(days=day)))
+    median = w.median_ms * fla
+    for day, env in enumerate([H200, *(env for env, _, _ in later)]):
+        store.add_baseline(Baseline(problem, env, "0.6.0", "pass", median, median * 0.98, median * 1.02, FLOOR_MS,
+                                    {"uniform": {"o": 3e-3}}, measured_at=T0 + timedelta(days=day, minutes=5)))
 
 
 def calibrate(store: Store) -> None:
@@ -82,8 +90,9 @@ def calibrate(store: Store) -> None:
 
 def build_db(path: Path, slowdown: bool) -> Path:
     store = Store(path)
-    record_winner(store, SLOW, 1, [(H200, 1.005, 0.02), (UPGRADED, 1.3 if slowdown else 1.01, 0.02)])
-    record_winner(store, STEADY, 2, [(NEW_DRIVER, 1.01, 0.03), (NEW_DRIVER, 0.99, 0.03)])
+    # SLOW's winner is faster than FLA until the upgrade slows it down past FLA; STEADY's is always behind.
+    record_winner(store, SLOW, 1, [(H200, 1.005, 0.02), (UPGRADED, 1.3 if slowdown else 1.01, 0.02)], fla=1.1)
+    record_winner(store, STEADY, 2, [(NEW_DRIVER, 1.01, 0.03), (NEW_DRIVER, 0.99, 0.03)], fla=0.5)
     calibrate(store)
     store.close()
     return path
@@ -263,3 +272,50 @@ def test_model_page_rings_the_spill_miss(site, browser):
     assert page.evaluate("document.querySelectorAll('svg.chart-calibration .calibration.miss').length") == 1
     assert "chunk_size=96" in page.evaluate("document.querySelector('#misses').textContent")
     png_size(page.screenshot(site.parent / "dashboard-model.png"))
+
+
+@needs_browser
+def test_problem_page_shows_the_winner_against_fla_over_time_with_the_floor(site, browser):
+    page = open_clean(browser, site / page_name(SLOW))
+    count = "n => document.querySelectorAll(n).length"
+    assert page.evaluate(f"({count})('svg.chart-versus')") == 1
+    assert page.evaluate(f"({count})('svg.chart-versus .point.ours')") == 3
+    assert page.evaluate(f"({count})('svg.chart-versus .point.fla')") == 3
+    floor = page.evaluate("document.querySelector('svg.chart-versus .floor title').textContent")
+    assert floor == f"memory-bound floor {FLOOR_MS:.4g} ms"
+    drawn = "m => m.getBoundingClientRect().height > 0"
+    assert page.evaluate(f"[...document.querySelectorAll('svg.chart-versus .marker.fell_behind')].map({drawn})") \
+        == [True]  # fell behind FLA at the upgrade: marked once, on the latest point
+    rows = page.evaluate("[...document.querySelectorAll('#against-fla tbody tr')]"
+                         ".map(r => [r.className, ...[...r.cells].map(c => c.textContent.trim())])")
+    assert len(rows) == 3 and [r[0] for r in rows] == ["flagged", "", ""]  # latest first
+    latest = rows[0]
+    assert latest[6] == f"{1.3 / 1.1:.2f}x" and latest[7] == f"{FLOOR_MS:.4f}" and latest[8] == "slower"
+    assert [r[8] for r in rows[1:]] == ["faster", "faster"] and latest[3] == "0.6.0"
+    assert page.evaluate("document.querySelector('#against-fla h3 .badge').dataset.verdict") == "fell_behind"
+
+
+@needs_browser
+def test_a_winner_always_behind_fla_is_shown_but_not_flagged(site, browser):
+    page = open_clean(browser, site / page_name(STEADY))
+    assert page.evaluate("document.querySelector('#against-fla h3 .badge').dataset.verdict") == "behind"
+    assert page.evaluate("document.querySelectorAll('#against-fla tr.flagged, svg.chart-versus .marker').length") == 0
+    ratios = page.evaluate("[...document.querySelectorAll('#against-fla tbody tr')].map(r => r.cells[5].textContent)")
+    assert ratios == [f"{0.99 / 0.5:.2f}x", f"{1.01 / 0.5:.2f}x", "2.00x"]
+
+
+@needs_browser
+def test_index_gives_each_winner_its_latest_ratio_to_fla(site, browser):
+    page = open_clean(browser, site / "index.html")
+    cells = page.evaluate("[...document.querySelectorAll('#problems tbody td.versus')]"
+                          ".map(c => [c.textContent.trim(), c.querySelector('.badge').dataset.verdict])")
+    assert cells == [[f"{1.3 / 1.1:.2f}x fell_behind", "fell_behind"], [f"{0.99 / 0.5:.2f}x behind", "behind"]]
+
+
+def test_a_database_without_fla_measurements_says_so(tmp_path):
+    store = Store(tmp_path / "r.db")
+    tune_study(store, STEADY, 3)
+    store.close()
+    assert run_tune("dashboard", "--db", str(tmp_path / "r.db"), "--out", str(tmp_path / "site")).returncode == 0
+    text = (tmp_path / "site" / page_name(STEADY)).read_text()
+    assert "no FLA measurement beside a winner" in text and "chart-versus" not in text

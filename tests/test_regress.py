@@ -269,21 +269,21 @@ def test_without_a_measurement_of_fla_on_the_stack_there_is_no_comparison():
         is None
 
 
-def test_replay_exits_1_for_a_winner_that_fell_behind_fla_and_0_for_one_always_behind(tmp_path):
-    fell = tmp_path / "fell.db"
-    make_db_with_fla(fell, [measured(1.01, 0.99, 1.04, day=1)],
-                     [fla_at(1.2, 1.18, 1.22), fla_at(0.8, 0.79, 0.81, day=1)])
-    out = run_tune("regress", "--replay", "--db", str(fell))
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert "fell_behind" in out.stdout and "1 of 1 winners regressed (1 fell behind FLA)" in out.stdout
-    behind = tmp_path / "behind.db"
-    make_db_with_fla(behind, [measured(1.01, 0.99, 1.04, day=1)],
-                     [fla_at(0.5, 0.49, 0.51), fla_at(0.5, 0.49, 0.51, day=1)])
-    out = run_tune("regress", "--replay", "--db", str(behind))
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "behind: slower than FLA in every" in out.stdout and "no regression among 1 winners" in out.stdout
-    (outcome,) = replay(Store(behind, readonly=True))
-    assert outcome.versus.kind == "behind" and "tuner.ops calls FLA here" in outcome.versus.reason
+@pytest.mark.parametrize("fla, code, summary, kind, reason", [
+    pytest.param([fla_at(1.2, 1.18, 1.22), fla_at(0.8, 0.79, 0.81, day=1)], 1,
+                 "1 of 1 winners regressed (1 fell behind FLA)", "fell_behind", "and it was not before", id="fell-behind"),
+    pytest.param([fla_at(0.5, 0.49, 0.51), fla_at(0.5, 0.49, 0.51, day=1)], 0, "no regression among 1 winners",
+                 "behind", "tuner.ops calls FLA here", id="always-behind"),
+])
+def test_replay_exits_1_for_a_winner_that_fell_behind_fla_not_for_one_always_behind(tmp_path, fla, code, summary,
+                                                                                    kind, reason):
+    db = tmp_path / "r.db"
+    make_db_with_fla(db, [measured(1.01, 0.99, 1.04, day=1)], fla)
+    out = run_tune("regress", "--replay", "--db", str(db))
+    assert out.returncode == code, out.stdout + out.stderr
+    assert f"{kind}: slower than FLA" in out.stdout and summary in out.stdout
+    (outcome,) = replay(Store(db, readonly=True))
+    assert outcome.versus.kind == kind and reason in outcome.versus.reason
 
 
 def cpu_gate(source):

@@ -595,3 +595,50 @@ def test_the_deadline_gives_queued_trials_back_and_the_default_is_gated_first(tm
     # nearest valid config, which waits too.
     refused = [t for t in trials if t.user_attrs.get("status") == "constraint"]
     assert (waiting - given_back).total() <= len(refused)
+
+
+def fla_gate(gated: list):
+    """The real gate (child process) on FLA's op, the stand-in FLA on the CPU; the tuner's kernels
+    refused unrun. ``gated`` gets (config, shape, also_at, watchdog) of each call."""
+    from tuner import baseline
+    from tuner.gate import GateResult, gate_and_time
+
+    def gate(candidate, *, timeout_s, device, also_at=()):
+        gated.append((candidate.config, candidate.problem.shape, also_at, timeout_s))
+        if candidate.config != baseline.CONFIG:
+            return GateResult("mismatch", message="not run: the test looks at FLA's baseline")
+        return gate_and_time(candidate, timeout_s=GATE_S, device=device, also_at=also_at, regimes=["default"],
+                             seqlens=(64,), batch=1, heads=1, seeds=(0,), rep=3, warmup_ms=1)
+
+    return gate
+
+
+@pytest.mark.slow
+def test_tune_times_fla_once_per_stack_and_version_at_every_shape_it_tunes(tmp_path, monkeypatch, fla_standin,
+                                                                          capsys):
+    from tuner import baseline, limits, search, stack
+    from tuner.store import Store
+
+    without_kernels(monkeypatch, tmp_path)
+    db, larger, gated = tmp_path / "results.db", "1x256x2", []
+    for _ in range(2):  # the second run finds FLA measured on this stack with this version
+        search.tune(SMALL, trials=1, db=str(db), jobs=1, gate=fla_gate(gated), also_at=(larger,))
+    assert [g for g in gated if g[0] == baseline.CONFIG] == [(baseline.CONFIG, SMALL.shape, (larger,), limits.BASELINE_S)]
+    rows = Store(db).baselines()
+    assert [(b.problem, b.stack, b.fla_version, b.status) for b in rows] == [
+        (p, stack.current(), fla_standin, "pass") for p in (SMALL, SMALL.at(larger))]
+    assert all(b.p10_ms <= b.median_ms <= b.p90_ms and b.floor_ms > 0 for b in rows)
+    assert rows[0].gate_errors["default"]["o"] < 1e-2  # checked against the fp64 oracle like a kernel
+    out = capsys.readouterr().out
+    assert out.count(f"timing FLA {fla_standin}'s chunk_linear_attn at {SMALL.shape}, {larger}") == 1
+
+
+def test_tune_without_fla_says_so_and_stores_no_baseline(tmp_path, monkeypatch, capsys):
+    from tuner import search
+    from tuner.store import Store
+
+    without_kernels(monkeypatch, tmp_path)
+    db = tmp_path / "results.db"
+    search.tune(SMALL, trials=1, db=str(db), jobs=1, gate=refusing_gate([]))
+    assert Store(db).baselines() == []
+    assert "FLA is not installed: its op is not timed beside the kernels" in capsys.readouterr().out
