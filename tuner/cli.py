@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="search, gate, time and record the best config (the main job)",
                          description="Search the variant's space with Optuna under the register budget; "
                                      "compile candidates on CPU, gate and time them on the GPU, record every "
-                                     "outcome and the winner. Without a GPU everything but gate and timing runs. "
+                                     "outcome and the winner; with FLA installed, FLA's op is gated and timed at every "
+                                     "shape tuned and stored beside the winners as their baseline. Without a GPU "
+                                     "everything but gate and timing runs. "
                                      "Results go to your own database (see --db), which tuner.best_config reads "
                                      "over the shipped results.db.")
     _add_problem(run)
@@ -144,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--seed", type=int, default=0, help="sampling seed")
     _add_db(cal, writes=True)
 
-    reg = sub.add_parser("regress", help="re-gate and re-time stored winners; exit 1 on a regression")
+    reg = sub.add_parser("regress", help="re-gate and re-time stored winners and FLA beside them; exit 1 on a "
+                                         "regression or a winner that fell behind FLA")
     reg.add_argument("--variant", action="append", metavar="V", help="limit to these variants (repeatable)")
     _add_db(reg)
     reg.add_argument("--replay", action="store_true",

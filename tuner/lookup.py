@@ -28,11 +28,10 @@ repeated lookup costs a few ``stat`` calls.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import baseline, space as spaces, stack
 from .stack import NONE, Stack
@@ -158,7 +157,7 @@ def _lookup(problem: Problem, env: Stack, files: tuple, backend: str, fla_versio
     compared = _compared_baseline(found.row, env, want, baselines, fla_version)
     fla = backend == "fla" or (backend == "auto" and fla_version is not None and compared is not None
                                and compared.timed and (found.row is None or compared.median_ms < found.row.median_ms))
-    return dataclasses.replace(found, source="fla" if fla else found.source, baseline=compared)
+    return replace(found, source="fla" if fla else found.source, baseline=compared)
 
 
 def _tuners_config(problem: Problem, env: Stack, want: ShapeBucket, files: tuple,

@@ -8,7 +8,8 @@ with the same arguments, where a stored FLA baseline beats the tuner's winner an
 ``"auto"`` an FLA that cannot be imported gives way to the tuner's kernel with a warning, and a
 forced ``"fla"`` is an error then. FLA is imported only when it runs, and called as it is installed
 (its own backend dispatch is the caller's to set with ``FLA_DISABLE_BACKEND_DISPATCH``). The choice
-is looked up once per problem, device and backend: a call costs what it did before FLA was a choice.
+is memoised with the config, once per problem, device and backend: a later call reads the switch's
+environment variable and one dictionary entry.
 
 Inputs are checked the same whatever runs; forward only: these are inference kernels, an input that
 requires grad is refused. Not supported (a clear error instead): variable-length batches

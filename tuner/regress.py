@@ -210,8 +210,11 @@ def versus_fla(history: list[Measurement], baselines: list[Baseline]) -> VersusF
         if not same:
             continue
         fla = min(same, key=lambda b: abs(b.measured_at - m.measured_at))
-        kind = "fla_failed" if not fla.timed else {"within": "even"}.get(change := compare(m, fla)[0], change)
-        pairs.append(Pair(m, fla, kind))
+        if not fla.timed:
+            pairs.append(Pair(m, fla, "fla_failed"))
+            continue
+        change = compare(m, fla)[0]
+        pairs.append(Pair(m, fla, "even" if change == "within" else change))
     return VersusFla(tuple(pairs)) if pairs else None
 
 
