@@ -48,3 +48,17 @@ def fla_standin(fla_absent, monkeypatch):
     forget_fla()
     yield "0.6.0+standin"
     forget_fla()
+
+
+@pytest.fixture
+def fla_installed(fla_absent, monkeypatch):
+    """The FLA installed on this machine, with a GPU to run it; the test is skipped without both."""
+    import torch
+
+    monkeypatch.delitem(sys.modules, "fla")
+    monkeypatch.setattr(baseline, "installed_version", INSTALLED_VERSION)
+    forget_fla()
+    if not torch.cuda.is_available() or INSTALLED_VERSION() is None:
+        pytest.skip("needs FLA installed (pip install -e '.[fla]') and a CUDA device")
+    yield INSTALLED_VERSION()
+    forget_fla()

@@ -122,3 +122,29 @@ def test_using_the_tuner_imports_no_fla(fla_standin, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [fla_standin, "False"]
+
+
+# ---- on the GPU, with FLA installed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(variants.VARIANTS))
+def test_flas_op_passes_the_gate_as_a_kernel_would(variant, fla_installed):
+    # Every regime of the variant: what tune and tune regress run FLA through before timing it.
+    problem = Problem(variant, 128, 128, batch=1, seqlen=4096, heads=4)
+    result = gate.gate_and_time(baseline.candidate(problem, fla_installed), timeout_s=1800, device=0, rep=10)
+    assert result.status == "pass", (result.message, result.errors)
+    assert result.timing["median_ms"] > 0
+
+
+@pytest.mark.gpu
+def test_the_op_forced_to_fla_is_flas_op(fla_installed):
+    import torch
+
+    from tuner import ops
+
+    x = make_inputs(Problem("gla", 64, 64, batch=2, seqlen=512, heads=4), "initial_state", seed=0, device="cuda")
+    args = (x["q"], x["k"], x["v"], x["g"])
+    o, state = ops.chunk_gla(*args, initial_state=x["initial_state"], output_final_state=True, backend="fla")
+    fla_o, fla_state = baseline.fla_ops().chunk_gla(*args, initial_state=x["initial_state"], output_final_state=True)
+    assert torch.equal(o, fla_o) and torch.equal(state, fla_state)
