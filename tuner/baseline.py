@@ -31,10 +31,10 @@ from .problem import Problem
 BACKEND_ENV = "LINATTN_BACKEND"
 BACKENDS = ("auto", "tuner", "fla")
 # The distributions that install the ``fla`` package: FLA 0.6.0 keeps its ops in fla-core (which
-# flash-linear-attention requires); earlier releases shipped them in flash-linear-attention itself.
+# flash-linear-attention requires); releases from before fla-core shipped them in flash-linear-attention.
 DISTRIBUTIONS = ("fla-core", "flash-linear-attention")
 INSTALL = "pip install 'linattn-tuner[fla]'"
-# The config of a baseline candidate: what tells it from a kernel of the tuner's in the gate and the store.
+# The config of a baseline candidate: no template parameter, only what tells it from the tuner's kernels.
 CONFIG = {"backend": "fla"}
 # The stack fields a baseline's time depends on, with its FLA version: FLA's kernels are Triton's,
 # compiled by the Triton torch brings; the TileLang version plays no part.
