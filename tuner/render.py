@@ -43,6 +43,8 @@ def context(problem: Problem, config: dict) -> dict:
         "dtype": TILELANG_DTYPES[problem.dtype],
         "accum_dtype": "float32",
         "config_json": json.dumps(config, sort_keys=True),
+        # The kernels of packed sequences: a config states it only where a space offers them.
+        "packed": False,
         **config,
     }
 

@@ -5,7 +5,10 @@ A parameter has a list of ``values``, a ``default``, a ``doc`` line and optional
 expression over the other parameters that says when it applies (``split == 'fused'``). In place of
 a default, a parameter may ``inherit`` another's value (``block_dv_o`` inherits ``block_dv``): a
 config states it only where it differs, so a parameter added to a template this way leaves every
-config from before it, and its kernel and digest, as it was. A
+config from before it, and its kernel and digest, as it was. A parameter may also have
+``caller_values``: values the caller sets (``tune --fix``, :mod:`tuner.ops` for a packed call), which
+the search never draws; a config states such a parameter only at one of them, so it too leaves every
+config from before it as it was. A
 constraint is a readable expression over the parameters and the problem's ``dk``, ``dv`` and
 ``dtype``, with the ``reason`` reported when it fails. Expressions may also use ``smem_limit``, the
 per-block limit, and the measures of a rendered kernel (:data:`MEASURES`: ``smem_bytes``, its
@@ -39,6 +42,13 @@ class Parameter:
     when: str | None = None
     # The parameter whose value this one takes when a config does not state it (then default is None).
     inherit: str | None = None
+    # Values only a caller sets, never drawn by the search; a config states the parameter only at one of them.
+    caller_values: tuple = ()
+
+    @property
+    def accepted(self) -> tuple:
+        """Every value a config may hold: the searched ones and the caller's."""
+        return (*self.values, *self.caller_values)
 
 
 @dataclass(frozen=True)
@@ -69,11 +79,13 @@ class Space:
         return {name: p.default for name, p in self.params.items() if p.default is not None}
 
     def normalise(self, config: dict) -> dict:
-        """Drop the parameters that do not apply and the inherited ones at the value they would
-        inherit; order as declared. Every config has this one canonical form."""
+        """Drop the parameters that do not apply, the inherited ones at the value they would inherit
+        and the caller's ones at a searched value; order as declared. Every config has this one
+        canonical form."""
         return {n: config[n] for n, p in self.params.items()
                 if n in config and self.active(n, config)
-                and not (p.inherit is not None and config[n] == config.get(p.inherit))}
+                and not (p.inherit is not None and config[n] == config.get(p.inherit))
+                and not (p.caller_values and config[n] not in p.caller_values)}
 
     def stated(self, config: dict) -> dict:
         """``config`` with every inherited parameter that applies stated at its value: what the
@@ -115,9 +127,10 @@ class Space:
         that needs a measure with no ``measures`` to give it is a ValueError."""
         reasons = []
         for name, p in self.params.items():
-            if name in config and config[name] not in p.values:
-                reasons.append(f"{name}={config[name]!r} is not one of {list(p.values)}")
-            elif name not in config and p.inherit is None and self.active(name, {**self._defaults(), **config}):
+            if name in config and config[name] not in p.accepted:
+                reasons.append(f"{name}={config[name]!r} is not one of {list(p.accepted)}")
+            elif (name not in config and p.inherit is None and not p.caller_values
+                  and self.active(name, {**self._defaults(), **config})):
                 reasons.append(f"{name} is missing")
         if reasons:
             return reasons
@@ -179,10 +192,10 @@ class Space:
     def _coerce(p: Parameter, raw):
         if not isinstance(raw, str):
             return raw
-        for v in p.values:
+        for v in p.accepted:
             if str(v).lower() == raw.lower():
                 return v
-        raise UserError(f"{p.name}={raw} is not one of {list(p.values)}")
+        raise UserError(f"{p.name}={raw} is not one of {list(p.accepted)}")
 
 
 class _ConstraintScope(dict):
@@ -218,7 +231,8 @@ def load(variant: str) -> Space:
     with open(spec.search_space) as f:
         doc = yaml.safe_load(f)
     params = {
-        name: Parameter(name, tuple(p["values"]), p.get("default"), p.get("doc", ""), p.get("when"), p.get("inherit"))
+        name: Parameter(name, tuple(p["values"]), p.get("default"), p.get("doc", ""), p.get("when"), p.get("inherit"),
+                        tuple(p.get("caller_values", ())))
         for name, p in doc["parameters"].items()
     }
     constraints = tuple(Constraint(c["require"], c["reason"], c.get("when")) for c in doc.get("constraints", ()))
