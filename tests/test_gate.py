@@ -48,6 +48,20 @@ def test_correct_module_passes_every_regime(tmp_path):
     assert GateResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
 
 
+GDN_PACKED = Problem("gdn", 64, 64, "bf16", batch=1, seqlen=128, heads=2)
+
+
+@pytest.mark.parametrize("behaviour, status", [("correct", "pass"), ("unpacked", "mismatch")])
+def test_kernels_of_packed_sequences_are_gated_on_packed_sequences_too(behaviour, status, tmp_path):
+    module = source("torch_forward.py", BEHAVIOUR=repr(behaviour), VARIANT=repr("gdn"))
+    result = run_gate(Candidate(GDN_PACKED, {"packed": True}, module), timeout_s=TIMEOUT_S, cache_dir=tmp_path,
+                      **SMALL)
+    assert result.status == status, result.message
+    assert set(result.errors) == set(regimes_for("gdn", packed=True))
+    if status == "mismatch":  # only the packed regime has several sequences in one call
+        assert "regime packed" in result.message and result.errors["default"]["o"] < 1e-2
+
+
 def test_hanging_forward_is_killed_and_reported(tmp_path):
     timeout_s = 40
     start = time.perf_counter()

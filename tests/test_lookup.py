@@ -276,3 +276,35 @@ def test_the_shipped_database_without_baselines_answers_as_before(tmp_path, monk
     tuned_on = Store(shipped, readonly=True).winners(variant="gdn", dk=128)[0].stack
     found = best_config("gdn", 128, device=tuned_on)
     assert (found.backend, found.baseline) == ("tuner", None) and found.source in lookup.CONFIG_SOURCES
+
+
+# ---- packed sequences (gdn's kernels stating packed) ----
+
+GDN = Problem("gdn", 64, 64)
+PACKED = space.load("gdn").default(GDN, {"packed": True})
+
+
+def put_gdn(db, config, *, batch, seqlen, heads, median_ms):
+    problem = dataclasses.replace(GDN, batch=batch, seqlen=seqlen, heads=heads)
+    Store(db).write_winner(Winner(problem, H200, Candidate.from_config(problem, config).digest, config, median_ms,
+                                  median_ms * 0.95, median_ms * 1.1, {"rel_l2": 1e-3}, "s", 0), "pass")
+
+
+def test_a_packed_call_finds_the_packed_winner_by_its_total_tokens_and_value_heads(tmp_path):
+    db = tmp_path / "user.db"
+    packed = {**PACKED, "block_dv": 16}
+    dense = space.load("gdn").default(GDN)
+    put_gdn(db, packed, batch=1, seqlen=32768, heads=32, median_ms=2.0)
+    put_gdn(db, dense, batch=1, seqlen=32768, heads=32, median_ms=1.0)  # faster, but takes no packed sequences
+    got = best_config("gdn", 64, batch=1, seqlen=30000, heads=32, device=H200, db=db, packed=True)
+    assert (got.source, got.config, got.stale) == ("exact", packed, False)
+    assert best_config("gdn", 64, batch=1, seqlen=30000, heads=32, device=H200, db=db).config == dense
+
+
+def test_a_packed_call_without_a_packed_winner_gets_the_packed_default_and_no_warning(tmp_path, recwarn):
+    db = tmp_path / "user.db"
+    put_gdn(db, space.load("gdn").default(GDN), batch=1, seqlen=32768, heads=32, median_ms=1.0)
+    got = best_config("gdn", 64, batch=1, seqlen=32768, heads=32, device=H200, db=db, packed=True)
+    assert (got.source, got.config, got.stale) == ("default", PACKED, False)
+    assert PACKED["split"] == "pre_seq" and PACKED["packed"] is True
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from tuner import variants
+from tuner import reference, variants
 from tuner.errors import UserError
-from tuner.inputs import REGIMES, make_inputs, regimes_for
+from tuner.inputs import PACKED_LENGTHS, RANDOM_LENGTH_MAX, REGIMES, make_inputs, regimes_for
 from tuner.problem import Problem
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -165,6 +165,27 @@ def test_every_listed_regime_draws_inputs_of_the_variant_shapes(variant):
             assert ((x["beta"] > 0) & (x["beta"] < 1)).all()
             assert torch.allclose(x["k"].float().norm(dim=-1), torch.ones(2, 33, 3), atol=2e-3)
         assert (x["initial_state"] is not None) == (regime == "initial_state")
+
+
+@pytest.mark.parametrize("variant,grouped", [("gdn", True), ("kda", True), ("simple_gla", False)])
+def test_the_packed_regime_packs_sequences_of_every_kind_with_grouped_heads_and_states(variant, grouped):
+    assert regimes_for(variant, packed=True) == [*regimes_for(variant), "packed"]
+    problem = Problem(variant, 64, 64, "bf16")
+    for seed, index_dtype in ((0, torch.int64), (1, torch.int32)):
+        x = make_inputs(problem, "packed", seed=seed, batch=3, seqlen=1000, heads=4)
+        bounds = x["cu_seqlens"]
+        lengths = bounds.diff().tolist()
+        assert bounds.dtype == index_dtype and bounds[0] == 0 and bounds[-1] == 1000
+        assert tuple(lengths[:len(PACKED_LENGTHS)]) == PACKED_LENGTHS and len(lengths) > len(PACKED_LENGTHS) + 2
+        assert all(1 <= n <= RANDOM_LENGTH_MAX for n in lengths)
+        H = 2 if grouped else 4
+        assert x["q"].shape == x["k"].shape == (1, 1000, H, 64) and x["v"].shape == (1, 1000, 4, 64)
+        assert x["beta"] is None or x["beta"].shape == (1, 1000, 4)
+        assert x["initial_state"].shape == (len(lengths), 4, 64, 64)
+    # The oracle takes them as they are, each sequence from its own state.
+    small = make_inputs(Problem(variant, 64, 64, "bf16"), "packed", seed=2, seqlen=400, heads=2)
+    o, state = reference.chunked(variant, **small, output_final_state=True)
+    assert o.shape == (1, 400, 2, 64) and state.shape[0] == small["cu_seqlens"].numel() - 1
 
 
 @pytest.mark.parametrize("regime,low,high", [

@@ -22,7 +22,8 @@ FLA_SIGNATURES = {
     "chunk_simple_gla": ["q", "k", "v", "g", "g_gamma", "scale", "initial_state", "output_final_state"],
     "chunk_gla": ["q", "k", "v", "g", "scale", "initial_state", "output_final_state"],
     "chunk_gated_delta_rule": ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
-                               "use_qk_l2norm_in_kernel"],
+                               "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                               "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "chunk_indices"],
     "chunk_kda": ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
                   "use_qk_l2norm_in_kernel"],
 }
@@ -50,8 +51,9 @@ def _qkv(B=1, T=8, H=2, K=16, V=16, dtype=torch.bfloat16, device="cpu"):
         pytest.param(lambda q, k, v: ops.chunk_gla(q[0], k, v, None), "4-D tensor [B, T, H, D]", id="3d"),
         pytest.param(lambda q, k, v: ops.chunk_gla(q, k, v, torch.zeros(1, 8, 2)), "needs g of shape [1, 8, 2, 16]", id="g-shape"),
         pytest.param(lambda q, k, v: ops.chunk_kda(q, k, v, torch.zeros(1, 8, 2, 16), None), "needs beta", id="no-beta"),
-        pytest.param(lambda q, k, v: ops.chunk_gated_delta_rule(q, k, v, None, None, cu_seqlens=torch.tensor([0, 8])),
-                     "cu_seqlens is not supported", id="varlen"),
+        pytest.param(lambda q, k, v: ops.chunk_kda(q, k, v, torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2),
+                                                   cu_seqlens=torch.tensor([0, 8])),
+                     "cu_seqlens is not supported", id="varlen-kda"),
         pytest.param(lambda q, k, v: ops.chunk_simple_gla(q, k, v, g=torch.zeros(1, 8, 2), g_gamma=torch.zeros(2)),
                      "only one of g and g_gamma", id="g-and-g_gamma"),
     ],
@@ -60,6 +62,54 @@ def test_wrong_inputs_get_a_clear_error(call, message):
     q, k, v = _qkv()
     with pytest.raises(ops.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
         call(q, k, v)
+
+
+def _gdn(B=1, T=8, H=2, HV=4, **kwargs):
+    """chunk_gated_delta_rule on CPU inputs of H query/key and HV value heads (fails, if at all, in its checks
+    before the CUDA one)."""
+    q, k, _ = _qkv(B, T, H)
+    v = torch.randn(B, T, HV, 16, dtype=torch.bfloat16)
+    return ops.chunk_gated_delta_rule(q, k, v, torch.zeros(B, T, HV), torch.ones(B, T, HV), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        pytest.param(lambda: _gdn(B=2, cu_seqlens=torch.tensor([0, 3, 8])), "batch size is expected to be 1",
+                     id="batch"),
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(3, 4, 16, 16)),
+                     "equal to the number of input sequences, i.e., 2 rather than 3", id="states"),
+        pytest.param(lambda: _gdn(HV=3), "multiple of q's and k's 2", id="heads-not-a-multiple"),
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 5, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 5, 3, 8])),
+                     "must rise from 0 to T=8", id="falling"),
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 3, 7]), cu_seqlens_cpu=torch.tensor([0, 3, 7])),
+                     "must rise from 0 to T=8", id="short-of-T"),
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0.0, 8.0])), "1-D int32 or int64", id="float-bounds"),
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([8])), "1-D int32 or int64", id="one-bound"),
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 8]), cu_seqlens_cpu=torch.tensor([0, 4, 8])),
+                     "cu_seqlens on the host", id="cpu-copy-differs"),
+        pytest.param(lambda: _gdn(chunk_indices=torch.zeros(1, 2, dtype=torch.long)), "give cu_seqlens too",
+                     id="index-alone"),
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 8]), chunk_indices=torch.zeros(2)),
+                     "[chunks, 2]", id="index-shape"),
+        pytest.param(lambda: _gdn(initial_state=torch.zeros(1, 2, 16, 16)), "[1, 4, 16, 16]", id="state-heads"),
+        pytest.param(lambda: _gdn(allow_neg_eigval=True), "allow_neg_eigval is not supported", id="neg-eigval"),
+        pytest.param(lambda: ops.chunk_kda(*_qkv(H=2)[:2], torch.randn(1, 8, 4, 16, dtype=torch.bfloat16),
+                                           torch.zeros(1, 8, 4, 16), torch.ones(1, 8, 4)),
+                     "grouped value heads are not supported by tuner.ops for kda", id="kda-grouped"),
+        # Checked, the inputs reach the device check: the rest is the GPU's.
+        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
+                                  initial_state=torch.zeros(2, 4, 16, 16)), "must be on a CUDA device", id="valid"),
+    ],
+)
+def test_packed_and_grouped_inputs_get_fla_s_errors(call, message):
+    with pytest.raises(ops.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_errors_of_bad_packed_inputs_are_value_errors_as_fla_s():
+    with pytest.raises(ValueError):
+        _gdn(B=2, cu_seqlens=torch.tensor([0, 3, 8]))
 
 
 @needs_cuda

@@ -354,7 +354,7 @@ def test_an_empty_sequence_passes_its_state_through():
 
 
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
-@pytest.mark.parametrize("variant", reference.GROUPED_HEADS)
+@pytest.mark.parametrize("variant", variants.GROUPED_HEADS)
 def test_grouped_value_heads_match_repeated_query_and_key_heads(variant, form):
     H, HV = 2, 6
     x = random_inputs(variant, 2, 37, HV, 8, 8, seed=5, initial_state=True)

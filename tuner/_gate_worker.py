@@ -77,7 +77,7 @@ def gate(job: dict, progress) -> dict:
 
     tolerance = job["tolerance"]
     worst_failure = None
-    for regime in job["regimes"] or inputs.regimes_for(problem.variant):
+    for regime in job["regimes"] or inputs.regimes_for(problem.variant, packed=config.get("packed", False)):
         for T in job["seqlens"]:
             for seed in job["seeds"]:
                 where = f"regime {regime}, T={T}, seed {seed}"

@@ -11,7 +11,9 @@ each sequence length (a multiple of the chunk and not: 1024 and 1000 by default)
 runs ``forward`` and compares ``o`` and the final state with ``tuner.reference.chunked`` in fp64 on
 the same device by relative L2. A staged config (``num_stages > 0``) is also compared with its
 ``num_stages = 0`` twin (TileLang issues #2668, #2957: pipelining can miscompile).
-``gate_and_time`` also times a passing config at the problem's shape in the same child, so a
+A config of kernels that take packed sequences (``packed``) also runs the ``packed`` regime: sequences
+of several lengths, initial states and grouped value heads in one call, against the oracle on each
+sequence. ``gate_and_time`` also times a passing config at the problem's shape in the same child, so a
 trial costs one child.
 """
 from __future__ import annotations
@@ -105,7 +107,8 @@ def run_gate(candidate: Candidate, *, regimes: list[str] | None = None, timeout_
         candidate (Candidate): the rendered config (its problem's shape is what ``gate_and_time``
             times); a staged one is also compared with its twin (``Candidate.twin``). A test may
             build one from any module source with the ``programs()``/``forward()`` contract.
-        regimes (list[str]): input regimes. Default: None (``tuner.inputs.regimes_for(variant)``).
+        regimes (list[str]): input regimes. Default: None (``tuner.inputs.regimes_for(variant, packed)``,
+            packed when the config states it).
         timeout_s (float): wall-clock limit of the child, compile included; then its process group
             is killed and the status is "hang". Default: ``limits.GATE_S``.
         device (int): CUDA device index; the CPU when CUDA is absent. Default: 0.

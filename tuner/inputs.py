@@ -7,6 +7,10 @@ depends on the regime (for ``decay`` the gate is the per-head constant, for ``si
 a per-token scalar, for ``gla``/``kda`` per token and channel). ``initial_state`` is None except in
 the ``initial_state`` regime. Regimes that say nothing for a variant are refused: the ``alpha*``
 regimes for ``linear`` (no decay), the ``channel_*`` regimes for the scalar-gated variants.
+
+The ``packed`` regime packs sequences of several lengths along T (B = 1, ``cu_seqlens``), each from its
+own initial state, with value heads grouped two to a query/key head (gdn, kda, an even head count): the
+regime of kernels that take packed sequences (a config stating ``packed``).
 """
 from __future__ import annotations
 
@@ -28,13 +32,22 @@ REGIMES: dict[str, str] = {
     "channel_lb0.9": "per-channel gates with the 0.9 lower bound: g uniform in [log 0.9, 0]",
     "channel_free": "per-channel gates without a bound: g = logsigmoid(N(0, 1)), as unconstrained models produce",
     "initial_state": "the default decays plus a standard-normal initial state",
+    "packed": "the default decays on sequences of lengths 1, 15, 64, 65, 200, then a random mix, packed along T "
+              "(B = 1, cu_seqlens int64 for an even seed, int32 for an odd one), each from a standard-normal "
+              "initial state; value heads two to a query/key head where the variant groups them",
 }
+
+# The lengths a packed input starts with: one token, shorter than a chunk, a chunk, one past it, several
+# chunks and a tail (of every chunk size). Random lengths up to RANDOM_LENGTH_MAX follow.
+PACKED_LENGTHS = (1, 15, 64, 65, 200)
+RANDOM_LENGTH_MAX = 300
 
 _ALPHA_REGIMES = {"alpha0.5": 0.5, "alpha0.9": 0.9, "alpha0.99": 0.99}
 
 
-def regimes_for(variant: str) -> list[str]:
-    """The regimes the correctness gate runs for ``variant``.
+def regimes_for(variant: str, packed: bool = False) -> list[str]:
+    """The regimes the correctness gate runs for ``variant``: with ``packed`` (kernels that take packed
+    sequences) the ``packed`` regime too.
 
     Per-channel variants are gated with and without the 0.9 lower bound: unbounded gates
     underflow exp(gamma) in fp16 and overflow exp(-gamma), which a template must
@@ -52,7 +65,7 @@ def regimes_for(variant: str) -> list[str]:
         names += ["alpha0.9", "alpha0.99", "alpha0.5"]
     if spec.per_channel:
         names += ["channel_lb0.9", "channel_free"]
-    return names
+    return names + ["packed"] if packed else names
 
 
 def _log_decay(regime: str, shape, gen: torch.Generator) -> torch.Tensor:
@@ -73,7 +86,9 @@ def make_inputs(problem: Problem, regime: str = "default", seed: int = 0, device
 
     Args:
         problem (Problem): variant, head dims, dtype and the default shape.
-        regime (str): a key of :data:`REGIMES`. Default: "default".
+        regime (str): a key of :data:`REGIMES`. Default: "default". ``packed``: ``seqlen`` is the total
+            of the packed sequences' lengths (:func:`packed_lengths`), ``heads`` the value heads, and
+            ``batch`` is not used (B = 1).
         seed (int): seeds a CPU ``torch.Generator``; the tensors are moved to ``device`` afterwards.
             Default: 0.
         device (str or torch.device): where the tensors end up. Default: "cpu".
@@ -82,7 +97,9 @@ def make_inputs(problem: Problem, regime: str = "default", seed: int = 0, device
     Returns:
         dict: ``q, k`` [B, T, H, DK] and ``v`` [B, T, H, DV] in ``problem.torch_dtype``; ``g`` (the
         variant's gate shape, or None) and ``beta`` [B, T, H] (delta variants, else None) and
-        ``initial_state`` [B, H, DK, DV] (or None) in float32; ``scale`` = DK ** -0.5.
+        ``initial_state`` [B, H, DK, DV] (or None) in float32; ``scale`` = DK ** -0.5. ``packed``: v, g,
+        beta with HV heads, q and k with H (HV / 2 where grouped), ``initial_state`` [N, HV, DK, DV] and
+        ``cu_seqlens`` [N + 1] too.
     """
     spec = problem.spec
     if regime not in REGIMES:
@@ -101,33 +118,62 @@ def make_inputs(problem: Problem, regime: str = "default", seed: int = 0, device
     DK, DV = problem.dk, problem.dv
 
     gen = torch.Generator().manual_seed(seed)
+    packed = regime == "packed"
+    HV = H
+    if packed:
+        B = 1
+        lengths = packed_lengths(T, gen)
+        if spec.name in variants.GROUPED_HEADS and H % 2 == 0:
+            H = HV // 2
     q = torch.randn(B, T, H, DK, generator=gen)
     k = torch.randn(B, T, H, DK, generator=gen)
-    v = torch.randn(B, T, H, DV, generator=gen)
+    v = torch.randn(B, T, HV, DV, generator=gen)
     if spec.delta:
         q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
-    g_shape = spec.g_shape(B, T, H, DK)
+    g_shape = spec.g_shape(B, T, HV, DK)
     g = None if g_shape is None else _log_decay(regime, g_shape, gen).float()
     # 1 - U[0, 1) lies in (0, 1]; clamp keeps it off 1 so beta is strictly inside (0, 1).
-    beta = (1 - torch.rand(B, T, H, generator=gen)).clamp(max=1 - 1e-6) if spec.delta else None
-    initial_state = torch.randn(B, H, DK, DV, generator=gen) if regime == "initial_state" else None
+    beta = (1 - torch.rand(B, T, HV, generator=gen)).clamp(max=1 - 1e-6) if spec.delta else None
+    states = len(lengths) if packed else B
+    initial_state = torch.randn(states, HV, DK, DV, generator=gen) if regime in ("initial_state", "packed") else None
 
     def place(t, dtype):
         return None if t is None else t.to(device=device, dtype=dtype)
 
     dtype = problem.torch_dtype
-    return dict(q=place(q, dtype), k=place(k, dtype), v=place(v, dtype), g=place(g, torch.float32),
-                beta=place(beta, torch.float32), initial_state=place(initial_state, torch.float32),
-                scale=DK ** -0.5)
+    out = dict(q=place(q, dtype), k=place(k, dtype), v=place(v, dtype), g=place(g, torch.float32),
+               beta=place(beta, torch.float32), initial_state=place(initial_state, torch.float32),
+               scale=DK ** -0.5)
+    if packed:
+        bounds = torch.tensor([0, *lengths]).cumsum(0)
+        out["cu_seqlens"] = place(bounds, torch.int32 if seed % 2 else torch.int64)
+    return out
+
+
+def packed_lengths(total: int, gen: torch.Generator) -> list[int]:
+    """Sequence lengths summing to ``total``: :data:`PACKED_LENGTHS`, then lengths drawn uniformly from
+    1 to :data:`RANDOM_LENGTH_MAX` with ``gen``; the last one cut to fit."""
+    lengths, left = [], total
+    for n in PACKED_LENGTHS:
+        if left == 0:
+            return lengths
+        lengths.append(min(n, left))
+        left -= lengths[-1]
+    while left:
+        lengths.append(min(int(torch.randint(1, RANDOM_LENGTH_MAX + 1, (1,), generator=gen)), left))
+        left -= lengths[-1]
+    return lengths
 
 
 def _shape(t) -> str:
     return "None" if t is None else str(list(t.shape))
 
 
-def check_layout(variant: str, q, k, v, g=None, beta=None, initial_state=None, error=UserError):
+def check_layout(variant: str, q, k, v, g=None, beta=None, initial_state=None, error=UserError, sequences=None):
     """Check that inputs follow FLA's layout for ``variant``; raise ``error`` saying what was
-    expected and what was given.
+    expected and what was given. v, g, beta and initial_state have HV heads, a multiple of q's and k's
+    H for the variants of ``variants.GROUPED_HEADS`` (grouped value heads), else H; initial_state
+    holds ``sequences`` states (packed sequences), else B.
 
     Returns:
         (B, T, H, DK, DV)
@@ -139,22 +185,29 @@ def check_layout(variant: str, q, k, v, g=None, beta=None, initial_state=None, e
         if t.dim() != 4:
             raise error(f"{name} must be a 4-D tensor [B, T, H, D], got shape {_shape(t)}")
     B, T, H, DK = q.shape
-    DV = v.shape[-1]
+    HV, DV = v.shape[2:]
     if k.shape != q.shape:
         raise error(f"k must have the shape of q {_shape(q)}, got {_shape(k)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise error(f"v must be [B, T, H, DV] = [{B}, {T}, {H}, DV], got {_shape(v)}")
-    expected_g = spec.g_shape(B, T, H, DK)
+    if v.shape[:2] != q.shape[:2]:
+        raise error(f"v must be [B, T, HV, DV] = [{B}, {T}, HV, DV], got {_shape(v)}")
+    if HV != H and variant not in variants.GROUPED_HEADS:
+        raise error(f"v must be [B, T, H, DV] = [{B}, {T}, {H}, DV], got {_shape(v)}: grouped value heads are "
+                    f"for {', '.join(variants.GROUPED_HEADS)}")
+    if HV % H:
+        raise error(f"grouped value heads: v's {HV} heads must be a multiple of q's and k's {H} (HV % H = {HV % H})")
+    expected_g = spec.g_shape(B, T, HV, DK)
     if expected_g is None and g is not None:
         raise error(f"variant {variant!r} takes no g (no decay), got g of shape {_shape(g)}")
     if expected_g is not None and (g is None or tuple(g.shape) != expected_g):
         raise error(f"variant {variant!r} needs g of shape {list(expected_g)}, got {_shape(g)}")
-    if spec.delta and (beta is None or tuple(beta.shape) != (B, T, H)):
-        raise error(f"variant {variant!r} needs beta of shape {[B, T, H]}, got {_shape(beta)}")
+    if spec.delta and (beta is None or tuple(beta.shape) != (B, T, HV)):
+        raise error(f"variant {variant!r} needs beta of shape {[B, T, HV]}, got {_shape(beta)}")
     if not spec.delta and beta is not None:
         raise error(f"variant {variant!r} takes no beta (not a delta rule), got beta of shape {_shape(beta)}")
-    if initial_state is not None and tuple(initial_state.shape) != (B, H, DK, DV):
-        raise error(f"initial_state must be [B, H, DK, DV] = {[B, H, DK, DV]}, got {_shape(initial_state)}")
+    states = B if sequences is None else sequences
+    if initial_state is not None and tuple(initial_state.shape) != (states, HV, DK, DV):
+        which = "[B, H, DK, DV]" if sequences is None else "one state per sequence, [N, HV, DK, DV]"
+        raise error(f"initial_state must be {which} = {[states, HV, DK, DV]}, got {_shape(initial_state)}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise error(f"{name} is on {t.device} but q is on {q.device}; put all inputs on one device")

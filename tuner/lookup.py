@@ -93,7 +93,7 @@ class Lookup:
 
 def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16", batch: int = 4,
                 seqlen: int = 8192, heads: int = 16, device: int | Stack | None = None,
-                db: str | os.PathLike | None = None, backend: str | None = None) -> Lookup:
+                db: str | os.PathLike | None = None, backend: str | None = None, packed: bool = False) -> Lookup:
     """The best stored config for a problem on this machine, and where it came from.
 
     Args:
@@ -108,6 +108,9 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
             (:func:`tuner.paths.user_db`) when it exists.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
+        packed (bool): the call needs kernels that take packed sequences and grouped value heads (a
+            config stating ``packed``); its shape is then ``1 x total tokens x value heads``, whatever the
+            lengths of its sequences. Default: False.
 
     Returns:
         Lookup
@@ -126,7 +129,7 @@ def best_config(variant: str, dk: int, dv: int | None = None, dtype: str = "bf16
     # The per-user default is read when a run has written it (_lookup skips a missing file).
     paths = tuple(dict.fromkeys(os.path.abspath(p) for p in (named or user_db(), SHIPPED_DB)))
     files = tuple((p, _file_state(p)) for p in paths)
-    result = _lookup(problem, env, files, chosen, baseline.installed_version())
+    result = _lookup(problem, env, files, chosen, baseline.installed_version(), packed)
     for s in result.skipped:  # memoised answers warn again: a stale row is never silent
         warnings.warn(f"stale winner passed over ({s.db}, {s.row.config}): {s.reason}", stacklevel=2)
     return result
@@ -145,13 +148,14 @@ def _file_state(path: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(problem: Problem, env: Stack, files: tuple, backend: str, fla_version: str | None) -> Lookup:
+def _lookup(problem: Problem, env: Stack, files: tuple, backend: str, fla_version: str | None,
+            packed: bool = False) -> Lookup:
     # The user's database first: on ties it wins over the shipped one.
     read = [(path, *_read(path, problem)) for path, state in files if state[0] is not None]
-    rows = [(w, path) for path, winners, _ in read for w in winners]
+    rows = [(w, path) for path, winners, _ in read for w in winners if not packed or w.config.get("packed") is True]
     baselines = [b for _, _, found in read for b in found]
     want = shape_bucket(problem.batch, problem.seqlen, problem.heads)
-    found = _tuners_config(problem, env, want, files, rows)
+    found = _tuners_config(problem, env, want, files, rows, packed)
     if not baseline.has_baseline(problem.variant):
         return found
     compared = _compared_baseline(found.row, env, want, baselines, fla_version)
@@ -161,9 +165,9 @@ def _lookup(problem: Problem, env: Stack, files: tuple, backend: str, fla_versio
 
 
 def _tuners_config(problem: Problem, env: Stack, want: ShapeBucket, files: tuple,
-                   rows: list[tuple[Winner, str]]) -> Lookup:
+                   rows: list[tuple[Winner, str]], packed: bool = False) -> Lookup:
     """The tuner's config for ``problem`` (in the bucket ``want``) from the winners ``rows`` (with
-    their files), by the fallbacks."""
+    their files), by the fallbacks; ``packed``: the default is that of a caller of packed kernels."""
     fresh, skipped = [], []
     for w, path in rows:
         reason = _stale_reason(w, env)
@@ -184,7 +188,8 @@ def _tuners_config(problem: Problem, env: Stack, want: ShapeBucket, files: tuple
         if group:
             w, path = min(group, key=rank)
             return Lookup(dict(w.config), source, w, path, tuple(skipped), config_source=source)
-    return Lookup(spaces.load(problem.variant).default(problem), "default", None, None, tuple(skipped))
+    default = spaces.load(problem.variant).default(problem, {"packed": True} if packed else None)
+    return Lookup(default, "default", None, None, tuple(skipped))
 
 
 def _compared_baseline(row: Winner | None, env: Stack, want: ShapeBucket, baselines: list[Baseline],

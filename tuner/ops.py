@@ -11,9 +11,14 @@ forced ``"fla"`` is an error then. FLA is imported only when it runs, and called
 is memoised with the config, once per problem, device and backend: a later call reads the switch's
 environment variable and one dictionary entry.
 
+``chunk_gated_delta_rule`` takes packed sequences (``cu_seqlens``, B = 1) and grouped value heads, as
+FLA does: the config is looked up by the total tokens and the value heads, so a new mix of lengths
+needs no new compile (the kernels take the lengths at run time), and no tensor's values are read on
+the host (no sync); the chunk index is built on the device unless FLA's ``chunk_indices`` is given.
+
 Inputs are checked the same whatever runs; forward only: these are inference kernels, an input that
 requires grad is refused. Not supported (a clear error instead): variable-length batches
-(``cu_seqlens``) and FLA's in-kernel activations (``use_gate_in_kernel``,
+(``cu_seqlens``) of the other ops and FLA's in-kernel activations (``use_gate_in_kernel``,
 ``use_beta_sigmoid_in_kernel``). The token-by-token ops (``tuner.decode``) always run the tuner's
 kernels.
 """
@@ -24,7 +29,7 @@ import warnings
 
 import torch
 
-from . import baseline
+from . import baseline, space
 from .errors import UserError
 from .inputs import check_layout, retention_log_decay
 from .lookup import best_config
@@ -38,8 +43,11 @@ class InputError(UserError, ValueError):
     """Inputs of the wrong shape, dtype or device for an op."""
 
 
-def _check(variant: str, q, k, v, g, beta, initial_state) -> Problem:
-    B, T, H, DK, DV = check_layout(variant, q, k, v, g, beta, initial_state, error=InputError)
+def _check(variant: str, q, k, v, g, beta, initial_state, cu_seqlens=None) -> Problem:
+    sequences = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    B, T, H, DK, DV = check_layout(variant, q, k, v, g, beta, initial_state, error=InputError, sequences=sequences)
+    if v.shape[2] != H and "packed" not in space.load(variant).params:
+        raise InputError(f"grouped value heads are not supported by tuner.ops for {variant} yet")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _DTYPES:
             raise InputError(f"{name} must be float16 or bfloat16, got {t.dtype}")
@@ -47,7 +55,44 @@ def _check(variant: str, q, k, v, g, beta, initial_state) -> Problem:
             raise InputError(f"{name} requires grad: tuner.ops are forward-only kernels")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise InputError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    return Problem(variant, DK, DV, _DTYPES[q.dtype], B, T, H)
+    # Value heads are the grid's parallel extent; packed sequences are one row of all their tokens.
+    return Problem(variant, DK, DV, _DTYPES[q.dtype], B, T, v.shape[2])
+
+
+def _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices) -> None:
+    """FLA's checks of packed sequences, on shapes, dtypes and devices (a device tensor's values would
+    need a host sync): cu_seqlens_cpu's values are checked, being on the host already."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return  # check_layout says what q must be
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None or chunk_indices is not None:
+            raise InputError("cu_seqlens_cpu and chunk_indices describe packed sequences: give cu_seqlens too")
+        return
+    if q.shape[0] != 1:
+        raise InputError(f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`: "
+                         "flatten variable-length inputs into one row")
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2
+            or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+        raise InputError(f"cu_seqlens must be a 1-D int32 or int64 tensor [N + 1], got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} {list(getattr(cu_seqlens, 'shape', []))}")
+    if cu_seqlens.device != q.device:
+        raise InputError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}; put it on q's device "
+                         "(cu_seqlens_cpu is the host copy)")
+    sequences = cu_seqlens.shape[0] - 1
+    if initial_state is not None and initial_state.shape[0] != sequences:
+        raise InputError(f"The number of initial states is expected to be equal to the number of input sequences, "
+                         f"i.e., {sequences} rather than {initial_state.shape[0]}")
+    if cu_seqlens_cpu is not None:
+        if (not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu"
+                or cu_seqlens_cpu.shape != cu_seqlens.shape):
+            raise InputError(f"cu_seqlens_cpu must be cu_seqlens on the host, a CPU tensor {list(cu_seqlens.shape)}")
+        bounds = cu_seqlens_cpu.tolist()
+        if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise InputError(f"cu_seqlens must rise from 0 to T={q.shape[1]} (never fall), got {bounds}")
+    if chunk_indices is not None and (not isinstance(chunk_indices, torch.Tensor) or chunk_indices.dim() != 2
+                                      or chunk_indices.shape[1] != 2 or chunk_indices.device != q.device):
+        raise InputError(f"chunk_indices must be FLA's [chunks, 2] (sequence, chunk) index on q's device, got "
+                         f"{list(getattr(chunk_indices, 'shape', []))}")
 
 
 @functools.cache
@@ -59,11 +104,12 @@ def _compiled(variant: str, dk: int, dv: int, dtype: str, config: tuple):
 
 
 @functools.cache
-def _plan(problem: Problem, device: int, backend: str) -> tuple:
+def _plan(problem: Problem, device: int, backend: str, packed: bool = False) -> tuple:
     """What runs ``problem`` on ``device``: (FLA's ``fla.ops``, None) where FLA does, else (None, the
-    tuner's config as items)."""
+    tuner's config as items); ``packed``: a config of kernels that take packed sequences and grouped
+    value heads."""
     lookup = best_config(problem.variant, problem.dk, problem.dv, problem.dtype, problem.batch, problem.seqlen,
-                         problem.heads, device=device, backend=backend)
+                         problem.heads, device=device, backend=backend, packed=packed)
     if lookup.backend == "fla":
         try:
             return baseline.fla_ops(), None
@@ -74,21 +120,25 @@ def _plan(problem: Problem, device: int, backend: str) -> tuple:
     return None, tuple(lookup.config.items())
 
 
-def _route(variant, q, k, v, g=None, beta=None, initial_state=None, backend=None):
+def _route(variant, q, k, v, g=None, beta=None, initial_state=None, backend=None, cu_seqlens=None):
     """The problem of the inputs, FLA's ``fla.ops`` where FLA runs it (else None) and the tuner's config."""
-    problem = _check(variant, q, k, v, g, beta, initial_state)
-    fla, config = _plan(problem, q.device.index or 0, baseline.backend_choice(backend))
+    problem = _check(variant, q, k, v, g, beta, initial_state, cu_seqlens)
+    # Packed sequences and grouped value heads need the kernels that take them (a config stating packed).
+    packed = cu_seqlens is not None or problem.heads != q.shape[2]
+    fla, config = _plan(problem, q.device.index or 0, baseline.backend_choice(backend), packed)
     return problem, fla, config
 
 
 def _run(problem: Problem, config: tuple, q, k, v, g=None, beta=None, scale=None, initial_state=None,
-         output_final_state=False):
+         output_final_state=False, cu_seqlens=None, chunk_indices=None):
     """The tuner's kernel of ``config`` on the inputs."""
     if not q.is_cuda:
         raise InputError(f"q, k, v must be on a CUDA device, got {q.device}")
     module, kernels = _compiled(problem.variant, problem.dk, problem.dv, problem.dtype, config)
+    sequences = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices) if dict(config).get("packed") else {}
     with torch.cuda.device(q.device):
-        o, final_state = module.forward(kernels, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state)
+        o, final_state = module.forward(kernels, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                        **sequences)
     return o, (final_state if output_final_state else None)
 
 
@@ -98,11 +148,12 @@ def _unsupported(**options):
             raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
 
 
-def _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk):
+def _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk,
+                **sequences):
     if l2norm_qk:  # FLA's use_qk_l2norm_in_kernel, done here in torch: the kernels take normalised q, k
         q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
     return _run(problem, config, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state)
+                output_final_state=output_final_state, **sequences)
 
 
 def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
@@ -218,31 +269,43 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, state_v_first=False,
-                           cu_seqlens=None, backend=None):
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, backend=None):
     """Gated DeltaNet, FLA's ``chunk_gated_delta_rule``.
 
     Args:
-        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
-        g (torch.Tensor): per-token log decay [B, T, H]. beta (torch.Tensor): write strength [B, T, H].
-        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, HV, V], HV a multiple of H (grouped
+            value heads: value head j reads query/key head j // (HV / H)).
+        g (torch.Tensor): per-token log decay [B, T, HV]. beta (torch.Tensor): write strength [B, T, HV].
+        scale (float): Default: K ** -0.5.
+        initial_state (torch.Tensor): [N, HV, K, V], N = B or the packed sequences. Default: None.
         output_final_state (bool): Default: False.
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+        cu_seqlens (torch.Tensor): int32 or int64 [N + 1] on q's device: N sequences packed along T
+            (B = 1), sequence n being tokens cu_seqlens[n]:cu_seqlens[n + 1]. Its values are not read on
+            the host (no sync), so not checked there: bounds outside [0, T] are clamped to it. Default: None.
+        cu_seqlens_cpu (torch.Tensor): the same bounds on the host; they are checked (rising from 0 to T).
+            Default: None.
+        chunk_indices (torch.Tensor): FLA's precomputed [chunks, 2] (sequence, chunk) index of the packed
+            sequences, used for the kernels' chunk grid in place of the one built on the device.
+            Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
-        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+        o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
-    _unsupported(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_v_first=state_v_first,
-                 cu_seqlens=cu_seqlens)
-    problem, fla, config = _route("gdn", q, k, v, g, beta, initial_state, backend)
+    _unsupported(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 state_v_first=state_v_first)
+    _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    problem, fla, config = _route("gdn", q, k, v, g, beta, initial_state, backend, cu_seqlens)
     if fla is not None:
         return fla.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           output_final_state=output_final_state,
-                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                                          cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
     return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
-                       use_qk_l2norm_in_kernel)
+                       use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

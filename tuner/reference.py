@@ -29,7 +29,7 @@ from . import variants
 from .errors import UserError
 from .inputs import check_layout
 
-__all__ = ["recurrent", "chunked", "kernel_mirror", "GROUPED_HEADS"]
+__all__ = ["recurrent", "chunked", "kernel_mirror"]
 
 
 @dataclass
@@ -88,25 +88,14 @@ def _initial(x: _Inputs) -> torch.Tensor:
     return torch.zeros(B, H, DK, DV, dtype=torch.float64, device=x.q.device)
 
 
-# Variants whose FLA ops take grouped value heads (fewer query/key heads than value heads).
-GROUPED_HEADS = ("gdn", "kda")
-
-
-def _shared_heads(variant, q, k, v):
+def _shared_heads(q, k, v):
     """q and k repeated to v's head count for grouped value heads (value head j reads query/key head
-    j // (HV / H), as FLA maps them); unchanged when the counts match."""
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) or v.shape[2] == q.shape[2]:
-        return q, k  # check_layout reports malformed inputs
+    j // (HV / H), as FLA maps them; check_layout has checked the counts); unchanged when they match."""
     H, HV = q.shape[2], v.shape[2]
-    if variant not in GROUPED_HEADS:
-        raise UserError(f"variant {variant!r} needs v with the heads of q ({H}), got {HV}; grouped value "
-                        f"heads are for {', '.join(GROUPED_HEADS)}")
-    if HV % H:
-        raise UserError(f"grouped value heads: v's {HV} heads must be a multiple of q's and k's {H}")
-    return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    return (q, k) if HV == H else (q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2))
 
 
-def _sequence_bounds(cu_seqlens, q, initial_state) -> list[tuple[int, int]]:
+def _sequence_bounds(cu_seqlens, q) -> list[tuple[int, int]]:
     """[(start, end)] of each packed sequence, after FLA's checks on cu_seqlens."""
     if q.shape[0] != 1:
         raise UserError(f"with cu_seqlens the batch must be 1 (sequences packed along T), got B={q.shape[0]}")
@@ -116,9 +105,6 @@ def _sequence_bounds(cu_seqlens, q, initial_state) -> list[tuple[int, int]]:
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise UserError(f"cu_seqlens must rise from 0 to T={q.shape[1]}, got {bounds}")
-    if initial_state is not None and initial_state.shape[0] != len(bounds) - 1:
-        raise UserError(f"initial_state must hold one state per sequence ({len(bounds) - 1}), "
-                        f"got {initial_state.shape[0]}")
     return list(zip(bounds, bounds[1:]))
 
 
@@ -126,12 +112,14 @@ def _each_sequence(form, variant, q, k, v, g, beta, scale, initial_state, output
                    **options):
     """``form`` on the inputs with grouped heads shared out, once per packed sequence (from its own
     initial state) when cu_seqlens is given."""
-    q, k = _shared_heads(variant, q, k, v)
-    if cu_seqlens is None:
+    bounds = None if cu_seqlens is None else _sequence_bounds(cu_seqlens, q)
+    check_layout(variant, q, k, v, g, beta, initial_state, sequences=None if bounds is None else len(bounds))
+    q, k = _shared_heads(q, k, v)
+    if bounds is None:
         return form(variant, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
     outputs, states = [], []
     per_token = variants.get(variant).decay_per in ("token", "channel")
-    for n, (start, end) in enumerate(_sequence_bounds(cu_seqlens, q, initial_state)):
+    for n, (start, end) in enumerate(bounds):
         h0 = None if initial_state is None else initial_state[n:n + 1]
         if start == end:  # an empty sequence: no output, the state passes through
             DK, (H, DV) = q.shape[-1], v.shape[2:]

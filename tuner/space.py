@@ -44,6 +44,8 @@ class Parameter:
     inherit: str | None = None
     # Values only a caller sets, never drawn by the search; a config states the parameter only at one of them.
     caller_values: tuple = ()
+    # The other parameters' values (name, value) in the default config of a caller that sets a caller value.
+    caller_default: tuple = ()
 
     @property
     def accepted(self) -> tuple:
@@ -71,9 +73,17 @@ class Space:
         p = self.params[name]
         return p.when is None or bool(_eval(p.when, config, None))
 
-    def default(self, problem: Problem) -> dict:
-        """The template's default config, restricted to the parameters that apply."""
-        return self.normalise(self._defaults())
+    def default(self, problem: Problem, caller: dict | None = None) -> dict:
+        """The template's default config, restricted to the parameters that apply. ``caller``: caller
+        parameters at a caller value (``{"packed": True}``): the default of a caller that needs them, with
+        their ``caller_default`` too."""
+        config = self._defaults()
+        for name, value in (caller or {}).items():
+            p = self._parameter(name)
+            if value not in p.caller_values:
+                raise UserError(f"{name}={value!r} is not one of the caller's values {list(p.caller_values)}")
+            config.update(dict(p.caller_default), **{name: value})
+        return self.normalise(config)
 
     def _defaults(self) -> dict:
         return {name: p.default for name, p in self.params.items() if p.default is not None}
@@ -232,7 +242,7 @@ def load(variant: str) -> Space:
         doc = yaml.safe_load(f)
     params = {
         name: Parameter(name, tuple(p["values"]), p.get("default"), p.get("doc", ""), p.get("when"), p.get("inherit"),
-                        tuple(p.get("caller_values", ())))
+                        tuple(p.get("caller_values", ())), tuple(p.get("caller_default", {}).items()))
         for name, p in doc["parameters"].items()
     }
     constraints = tuple(Constraint(c["require"], c["reason"], c.get("when")) for c in doc.get("constraints", ()))

@@ -81,6 +81,10 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+# Variants whose FLA ops take grouped value heads (fewer query/key heads than value heads).
+GROUPED_HEADS = ("gdn", "kda")
+
+
 # FLA's token-by-token op of each variant.
 FUSED_RECURRENT_OPS = {
     "linear": "fused_recurrent_linear_attn", "decay": "fused_recurrent_retention",
