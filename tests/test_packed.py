@@ -1,4 +1,4 @@
-"""Packed sequences and grouped value heads in gdn's pre_seq kernels (the config's ``packed``).
+"""Packed sequences and grouped value heads in gdn's pre_seq and chunked kernels (the config's ``packed``).
 
 CPU: the packed kernels compile for sm_90a without spills or screen rejections; every load and store of
 a token tensor is masked at its sequence's end (no whole-tile copy, which would read or write across
@@ -22,13 +22,18 @@ from tuner.candidate import Candidate
 from tuner.inputs import PACKED_LENGTHS, packed_lengths
 from tuner.problem import Problem
 
-KERNELS = ["prepare", "sequential"]
-# The default packed config, and one with every pre_seq parameter off its default (several chunks per
-# precompute block: the chunk index is padded to a whole block).
+KERNELS = {"pre_seq": ["prepare", "sequential"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"]}
+# The default packed config, one with every pre_seq parameter off its default (several chunks per
+# precompute block: the chunk index is padded to a whole block), and the chunked split's.
 PACKED = {"split": "pre_seq", "packed": True}
 PACKED_ALL = {**PACKED, "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True, "prepare_chunks": 2}
-# The tensors of tokens (rows [S, heads, ...]) that the packed kernels read and write.
-TOKEN_TENSORS = {"Q", "K", "V", "G", "Beta", "WQ", "WK", "AB", "AQK", "O"}
+PACKED_CHUNKED = {"split": "chunked", "packed": True, "block_dv_o": 64}
+# The tensors of tokens (rows [S, heads, ...]) that each split's packed kernels read, and write.
+READ = {"pre_seq": {"Q", "K", "V", "G", "Beta", "WQ", "WK", "AB", "AQK"},
+        "chunked": {"Q", "K", "V", "G", "Beta", "GC", "W", "U", "VN"}}
+WRITTEN = {"pre_seq": {"WQ", "WK", "AB", "AQK", "O"}, "chunked": {"GC", "W", "U", "VN", "O"}}
+# The tensors copied as whole tiles: the states (and the chunked split's state entering each chunk).
+WHOLE = {"pre_seq": {"H0", "HT"}, "chunked": {"H0", "HT", "Hs"}}
 
 
 def module_of(candidate: Candidate, tmp_path):
@@ -62,25 +67,26 @@ def mixed_lengths(seed: int, total: int = 1500) -> list[int]:
 
 # ---- CPU: what is rendered and compiled ----
 
-@pytest.mark.parametrize("dim,overrides", [(64, PACKED), (128, PACKED), (128, PACKED_ALL)],
-                         ids=["k64", "k128", "k128-all"])
+@pytest.mark.parametrize("dim,overrides", [(64, PACKED), (128, PACKED), (128, PACKED_ALL), (128, PACKED_CHUNKED)],
+                         ids=["k64", "k128", "k128-all", "k128-chunked"])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(dim, overrides, tmp_path):
     rendered = rendered_config("gdn", dim, **overrides)
-    report = assert_compiles_clean(rendered, KERNELS, tmp_path)
+    report = assert_compiles_clean(rendered, KERNELS[overrides["split"]], tmp_path)
     # The shared-memory constraint is judged on the model's figures: they must be ptxas'.
     assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
         k.name: k.dynamic_smem_bytes for k in report.kernels}
 
 
-@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL], ids=["default", "all"])
+@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL, PACKED_CHUNKED], ids=["default", "all", "chunked"])
 def test_every_token_load_and_store_is_masked_at_the_sequence_end(overrides):
+    split = overrides["split"]
     source = rendered_config("gdn", 128, **overrides).source
-    lines = source[source.index("def prepare"):source.index("def programs")].splitlines()
+    lines = source[source.index(f"def {KERNELS[split][0]}"):source.index("def programs")].splitlines()
     kernels = "\n".join(lines)
     copied = set(re.findall(r"T\.copy\((\w+)\[", kernels)) | set(re.findall(r"T\.copy\(\w+, (\w+)\[", kernels))
-    assert copied == {"H0", "HT"}  # whole tiles only of the states
+    assert copied == WHOLE[split]
     read = set(re.findall(r"T\.if_then_else\(c \* C \+ i < seqlen, (\w+)\[bos \+ c \* C \+ i", kernels))
-    assert read == TOKEN_TENSORS - {"O"}
+    assert read == READ[split]
     written = {}
     for number, line in enumerate(lines):
         target = re.match(r"(\s+)(\w+)\[bos \+ c \* C \+ i.*\] = ", line)
@@ -88,7 +94,7 @@ def test_every_token_load_and_store_is_masked_at_the_sequence_end(overrides):
             indent = len(target.group(1))
             outer = next(up for up in reversed(lines[:number]) if len(up) - len(up.lstrip()) < indent)
             written[target.group(2)] = outer.strip()
-    assert written == dict.fromkeys(("WQ", "WK", "AB", "AQK", "O"), "if c * C + i < seqlen:")
+    assert written == dict.fromkeys(WRITTEN[split], "if c * C + i < seqlen:")
     assert "h = hv // (HV // H)" in kernels  # grouped value heads: q and k read at the query/key head
 
 
@@ -101,13 +107,15 @@ def test_packed_is_set_by_the_caller_and_never_searched():
     dense = {**default, "packed": False}
     assert gdn.normalise(dense) == {k: v for k, v in default.items() if k != "packed"}
     assert gdn.fix({"packed": "true"}).params["packed"].values == (True,)
-    # Only pre_seq has packed kernels so far: elsewhere the parameter does not apply.
-    assert "packed" not in gdn.normalise({**gdn.default(problem), "packed": True})
+    assert gdn.normalise({**gdn.default(problem), "packed": True})["packed"] is True  # chunked has them too
+    # The fused split has no packed kernels yet: there the parameter does not apply.
+    assert "packed" not in gdn.normalise({**gdn.default(problem), "split": "fused", "packed": True})
 
 
-def test_the_packed_kernels_differ_from_the_dense_ones_only_where_sequences_are_read():
-    dense = rendered_config("gdn", 128, split="pre_seq").source
-    packed = rendered_config("gdn", 128, **PACKED).source
+@pytest.mark.parametrize("split", ["pre_seq", "chunked"])
+def test_the_packed_kernels_are_other_kernels_than_the_dense_ones(split):
+    dense = rendered_config("gdn", 128, split=split).source
+    packed = rendered_config("gdn", 128, split=split, packed=True).source
     assert dense != packed
     assert "CuSeqlens" in packed and "CuSeqlens" not in dense
     assert "def chunk_index" in packed and "def chunk_index" not in dense
@@ -193,6 +201,25 @@ def test_the_glue_reads_no_value_on_the_host_and_launches_on_the_packed_rows(mon
     assert sequential[10] is bounds and torch.equal(sequential[7], x["initial_state"])
 
 
+def test_the_chunked_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_first_chunk(monkeypatch, tmp_path):
+    module = module_of(rendered_config("gdn", 64, **PACKED_CHUNKED), tmp_path)
+    lengths = (0, 130, 1, 64, 65)
+    x = gdn_inputs(lengths, H=1, HV=2)
+    kernels = Launched()
+    with monkeypatch.context() as patch:
+        refuse_host_reads(patch)
+        module.forward(kernels, **x, cu_seqlens=bounds_of(lengths))
+    chunks = kernels.calls["chunk_wu"][-1]
+    assert kernels.calls["chunk_o"][-2] is chunks
+    hs, starts = kernels.calls["chunk_state"][5], kernels.calls["chunk_state"][-1]
+    index = [tuple(row) for row in chunks.tolist()]
+    assert index == counted_index(lengths, 64, 1)
+    # Sequence n's chunk c is slot starts[n] + c of the index: where chunk_o reads the state chunk_state wrote.
+    assert starts.dtype == torch.int32 and starts.tolist() == [0, 0, 3, 4, 5]
+    assert all(index[starts[n] + c] == (n, c) for n, c in index if n >= 0)
+    assert hs.shape == (len(index), 2, 64, 64)
+
+
 def test_the_host_read_guard_catches_a_read(monkeypatch):
     with monkeypatch.context() as patch, pytest.raises(AssertionError, match="read on the host"):
         refuse_host_reads(patch)
@@ -233,7 +260,7 @@ def compiled():
 
 
 @cuda
-@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL], ids=["default", "all"])
+@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL, PACKED_CHUNKED], ids=["default", "all", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, overrides, dtype, lengths):
@@ -258,11 +285,12 @@ def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(comp
 
 
 @cuda
-def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_device(compiled):
+@pytest.mark.parametrize("overrides", [PACKED_ALL, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
+def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_device(compiled, overrides):
     lengths = mixed_lengths(3)
     x = gdn_inputs(lengths, 2, 4, device="cuda")
     cu_seqlens = bounds_of(lengths, torch.int64, "cuda")
-    module, kernels = compiled(**PACKED_ALL)
+    module, kernels = compiled(**overrides)
     exact = torch.tensor([(n, c) for n, length in enumerate(lengths) for c in range(-(-length // 64))], device="cuda")
     o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
     o_given, ht_given = module.forward(kernels, **x, cu_seqlens=cu_seqlens, chunk_indices=exact)
@@ -270,15 +298,16 @@ def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_devic
 
 
 @cuda
-def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads(compiled):
+@pytest.mark.parametrize("overrides", [PACKED, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
+def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads(compiled, overrides):
     H, HV = 2, 6
     x = gdn_inputs((200,), H, HV, device="cuda")
     x = {name: t.expand(3, *t.shape[1:]).contiguous() for name, t in x.items()}
     x["v"] = x["v"] * torch.linspace(0.5, 1.5, 3, device="cuda")[:, None, None, None].to(x["v"].dtype)
-    module, kernels = compiled(**PACKED)
+    module, kernels = compiled(**overrides)
     o, ht = module.forward(kernels, **x)
     repeated = {**x, "q": x["q"].repeat_interleave(HV // H, dim=2), "k": x["k"].repeat_interleave(HV // H, dim=2)}
-    dense_module, dense_kernels = compiled(split="pre_seq")
+    dense_module, dense_kernels = compiled(**{**overrides, "packed": False})
     o_ref, ht_ref = dense_module.forward(dense_kernels, **repeated)
     assert rel_l2(o, o_ref) < 1e-3 and rel_l2(ht, ht_ref) < 1e-3
     o_oracle, ht_oracle = reference.chunked("gdn", **x, output_final_state=True)
@@ -287,10 +316,11 @@ def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads
 
 
 @cuda
-def test_the_gate_runs_and_passes_the_packed_regime():
+@pytest.mark.parametrize("overrides", [PACKED, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
+def test_the_gate_runs_and_passes_the_packed_regime(overrides):
     from tuner.gate import run_gate
 
-    result = run_gate(rendered_config("gdn", 64, **PACKED), seqlens=(1000,), seeds=(0, 1))
+    result = run_gate(rendered_config("gdn", 64, **overrides), seqlens=(1000,), seeds=(0, 1))
     assert result.passed, result.message
     assert "packed" in result.errors and result.errors["packed"]["o"] < Problem("gdn", 64, 64).tolerance
 
