@@ -64,11 +64,11 @@ def test_wrong_inputs_get_a_clear_error(call, message):
         call(q, k, v)
 
 
-def _gdn(B=1, T=8, H=2, HV=4, **kwargs):
+def _gdn(B=1, T=8, H=2, HV=4, K=16, **kwargs):
     """chunk_gated_delta_rule on CPU inputs of H query/key and HV value heads (fails, if at all, in its checks
     before the CUDA one)."""
-    q, k, _ = _qkv(B, T, H)
-    v = torch.randn(B, T, HV, 16, dtype=torch.bfloat16)
+    q, k, _ = _qkv(B, T, H, K)
+    v = torch.randn(B, T, HV, K, dtype=torch.bfloat16)
     return ops.chunk_gated_delta_rule(q, k, v, torch.zeros(B, T, HV), torch.ones(B, T, HV), **kwargs)
 
 
@@ -98,8 +98,8 @@ def _gdn(B=1, T=8, H=2, HV=4, **kwargs):
                                            torch.zeros(1, 8, 4, 16), torch.ones(1, 8, 4)),
                      "grouped value heads are not supported by tuner.ops for kda", id="kda-grouped"),
         # Checked, the inputs reach the device check: the rest is the GPU's.
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
-                                  initial_state=torch.zeros(2, 4, 16, 16)), "must be on a CUDA device", id="valid"),
+        pytest.param(lambda: _gdn(K=64, cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
+                                  initial_state=torch.zeros(2, 4, 64, 64)), "must be on a CUDA device", id="valid"),
     ],
 )
 def test_packed_and_grouped_inputs_get_fla_s_errors(call, message):
