@@ -28,7 +28,7 @@ from .lookup import best_config
 from .problem import Problem
 from .candidate import Candidate
 from .store import shape_bucket
-from .variants import get as get_variant, recurrent_name
+from .variants import GROUPED_HEADS, get as get_variant, recurrent_name
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -142,7 +142,7 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         _fail(f"q, k, v must share one dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}")
     _check_tensor("k", k, q.shape, device=on)
     _check_tensor("v", v, (B, T, HV, DV), device=on)
-    if HV % H or (HV != H and variant not in ("gdn", "kda")):
+    if HV % H or (HV != H and variant not in GROUPED_HEADS):
         _fail(f"v has {HV} heads, q and k {H}: grouped value heads (a multiple) are for gdn and kda only")
     if cu_seqlens is None:
         N = B
