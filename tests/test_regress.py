@@ -345,3 +345,53 @@ def test_regress_without_fla_says_so_and_times_the_winners_alone(tmp_path, monke
     (outcome,) = regress.remeasure(store, device=0)
     assert outcome.verdict is not None and outcome.versus is None and store.baselines() == []
     assert "FLA is not installed: its op was not re-timed" in outcome.note
+
+
+def test_fla_only_times_the_missing_baselines_and_judges_the_recorded_history_without_re_timing(
+        tmp_path, monkeypatch, fla_standin):
+    from pathlib import Path
+
+    from tuner import gate, regress, space
+
+    monkeypatch.setattr(stack, "has_gpu", lambda: True)
+    monkeypatch.setattr(stack, "current", lambda device=0: H200)
+    source = (Path(__file__).parent / "fixtures" / "torch_forward.py").read_text()  # the correct decay module
+    timed = []
+    real = cpu_gate(source)
+
+    def gate_and_time(candidate, **kwargs):
+        timed.append((candidate.config, candidate.problem.shape, kwargs.get("also_at", ())))
+        return real(candidate, **kwargs)
+
+    monkeypatch.setattr(gate, "gate_and_time", gate_and_time)
+    small = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2)
+    config = space.load("decay").default(small)
+    store = Store(tmp_path / "r.db")
+    digest = Candidate.from_config(small, config).digest
+    here = [store.write_winner(Winner(p, H200, digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
+            for p in (small, small.at("1x256x2"))]
+    elsewhere = store.write_winner(Winner(small.at("1x512x2"), replace(H200, gpu="NVIDIA H100"), digest, config,
+                                          1.0, 0.9, 1.1, {}, "s", 0), "pass")
+    history = {w.id: store.history(w.id) for w in here}
+
+    outcomes = regress.time_fla(store, device=0, note=lambda _: None)
+
+    assert timed == [(baseline.CONFIG, small.shape, ("1x256x2",))]  # FLA alone, one child for both shapes
+    assert {w.id: store.history(w.id) for w in here} == history  # no winner re-timed
+    assert [b.problem for b in store.baselines()] == [w.problem for w in here]
+    assert [o.versus.latest.fla.problem if o.versus else None for o in outcomes] == [w.problem for w in here] + [None]
+    assert outcomes[-1].winner.id == elsewhere.id
+
+    timed.clear()
+    regress.time_fla(store, device=0, note=lambda _: None)
+    assert timed == []  # measured on this stack with this FLA already
+
+
+def test_fla_only_without_fla_is_a_one_line_error(tmp_path, monkeypatch):
+    from tuner import regress
+    from tuner.errors import UserError
+
+    monkeypatch.setattr(stack, "has_gpu", lambda: True)
+    monkeypatch.setattr(baseline, "installed_version", lambda: None)
+    with pytest.raises(UserError, match="FLA is not installed"):
+        regress.time_fla(Store(tmp_path / "r.db"), device=0)

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--replay", action="store_true",
                      help="judge the latest recorded measurement of each winner against the earlier ones; "
                           "re-runs nothing, needs no GPU")
+    reg.add_argument("--fla-only", action="store_true",
+                     help="time FLA's op where no baseline was measured on this stack with the installed FLA "
+                          "and judge the winners' recorded history against it; re-times no winner")
     reg.add_argument("--gpu", type=int, default=0, metavar="ID", help="CUDA device index (default 0)")
 
     dash = sub.add_parser("dashboard", help="write the static regression dashboard")
@@ -335,7 +338,11 @@ def _cmd_regress(args) -> int:
 
     for v in args.variant or ():
         variants.get(v)
-    return regress.regress_main(args.db, args.variant, replay_only=args.replay, device=args.gpu)
+    if args.replay and args.fla_only:
+        print("tune regress: error: --replay runs nothing and --fla-only times FLA: choose one", file=sys.stderr)
+        return 2
+    return regress.regress_main(args.db, args.variant, replay_only=args.replay, fla_only=args.fla_only,
+                                device=args.gpu)
 
 
 def _cmd_dashboard(args) -> int:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from . import baseline, gate, limits, stack, variants
 from .errors import UserError
+from .problem import Problem
 from .store import Baseline, Measurement, Store, Winner
 
 # Smallest relative change of the median that is flagged, however tight the bands are.
@@ -324,6 +325,39 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
     return [outcomes[w.id] for w in selected]
 
 
+def time_fla(store: Store, names: list[str] | None = None, *, device: int = 0,
+             note=print) -> list[Outcome]:
+    """Gate and time FLA's op at the shapes of the selected winners of this GPU where it was not yet
+    measured on this stack with the installed FLA, record it, and judge each winner's recorded
+    history against it (:func:`replay`). No winner is re-timed: this fills in the baselines beside
+    winners timed on this stack before FLA was installed, or upgraded.
+
+    Args:
+        store (Store): the results database, writable.
+        names (list[str]): limit to these variants. Default: None (all).
+        device (int): CUDA device index. Default: 0.
+        note (Callable[[str], None]): told what is timed and why nothing is. Default: print.
+
+    Returns:
+        list[Outcome]: one per winner, in the store's order.
+    """
+    if not stack.has_gpu():
+        raise UserError("no CUDA device: `tune regress --fla-only` times FLA's op on the GPU")
+    if baseline.installed_version() is None:
+        raise UserError(f"FLA is not installed: there is nothing to time ({baseline.INSTALL})")
+    from .search import time_missing_baselines
+
+    env = stack.current(device)
+    kernel_problems: dict[tuple, dict[Problem, None]] = {}
+    for w in _selected(store, names):
+        if w.stack.gpu == env.gpu:
+            p = w.problem
+            kernel_problems.setdefault((p.variant, p.dk, p.dv, p.dtype), {})[p] = None
+    for problems in kernel_problems.values():
+        time_missing_baselines(list(problems), store, env, gate.gate_and_time, device, note)
+    return replay(store, names)
+
+
 def winner_label(w: Winner) -> str:
     """``gdn k128 v128 bf16 B4 T8192 H16`` on ``NVIDIA H200``: a winner in one line."""
     p = w.problem
@@ -383,14 +417,16 @@ def print_outcomes(outcomes: list[Outcome], replayed: bool) -> None:
                   if flagged else f"no regression among {len(outcomes)} winners")
 
 
-def regress_main(db: str, names: list[str] | None = None, *, replay_only: bool = False, device: int = 0) -> int:
-    """``tune regress``: re-measure (or with ``replay_only`` just judge) and print; exit 1 on a regression."""
+def regress_main(db: str, names: list[str] | None = None, *, replay_only: bool = False, fla_only: bool = False,
+                 device: int = 0) -> int:
+    """``tune regress``: re-measure (with ``replay_only`` just judge; with ``fla_only`` time the missing
+    FLA baselines and judge) and print; exit 1 on a regression."""
     if replay_only:
         store = Store(db, readonly=True)
         outcomes = replay(store, names)
     else:
         store = Store(db)
-        outcomes = remeasure(store, names, device=device)
+        outcomes = (time_fla if fla_only else remeasure)(store, names, device=device)
     store.close()
-    print_outcomes(outcomes, replay_only)
+    print_outcomes(outcomes, replay_only or fla_only)
     return 1 if any(o.flagged for o in outcomes) else 0
