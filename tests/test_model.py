@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from tuner import calibration, model
+from tuner.candidate import Candidate
+from tuner.problem import Problem
 
 DATA = Path(__file__).parent / "data"
 # One record per compiled source; calibration_layouts.json adds per-buffer offsets to a few.
@@ -107,6 +109,21 @@ def test_the_pipeline_term_applies_where_the_block_issues_its_own_loads():
     term = model.terms("gdn")["pipeline_overhead"]
     assert (model.predict_kernel(fused[1], model.terms("gdn")).registers
             - model.predict_kernel(fused[1], {**model.terms("gdn"), "pipeline_overhead": 0}).registers) == term
+
+
+def test_a_pipelined_loop_without_a_copy_is_neither_specialised_nor_multi_buffered():
+    """kda's packed chunk_state (DK = DV = 128, C = 32, block_dv 32, two stages, warp specialised,
+    W in registers): its loads are masked T.Parallel stores, no T.copy; compiled, it launched 128
+    threads and allocated 45056 bytes, each loaded buffer once (ptxas, TileLang 0.1.15)."""
+    problem = Problem("kda", 128, 128)
+    config = {"split": "chunked", "packed": True, "chunk_size": 32, "sub_chunk": 32, "block_dv": 32,
+              "block_dv_o": 128, "block_dk": 64, "num_stages": 2, "threads": 128, "warp_specialized": True,
+              "qk_in": "shared", "system_in": "shared", "wu_in": "fragment"}
+    state = next(k for k in model.parse_kernels(Candidate.from_config(problem, config).source)
+                 if k.name == "chunk_state")
+    assert state.pipeline_loads == state.thread_loads == {"K_s", "gc_s"}
+    assert not state.copies_in_pipeline and not state.pipelined and not state.producer_consumer
+    assert state.launch_threads == 128 and model.shared_memory_plan(state)[0] == 45056
 
 
 @pytest.mark.parametrize("variant", sorted({r["variant"] for r in RECORDS}))

@@ -116,14 +116,23 @@ class Kernel:
         return smem.shared_memory_plan(self)
 
     @property
+    def copies_in_pipeline(self) -> bool:
+        """Whether a ``T.copy`` loads from global memory in the pipelined loop. TileLang 0.1.15
+        multi-buffers and warp-specialises only such a loop: one whose loads are all ``T.Parallel``
+        stores (the masked loads of packed sequences) runs as written, one buffer each, on the
+        block's own threads (measured: gdn's and kda's packed chunk_state, two stages, warp
+        specialised: 128 threads launched, every load allocated once)."""
+        return bool(self.pipeline_loads - self.thread_loads)
+
+    @property
     def pipelined(self) -> bool:
         """Whether the loads are multi-buffered: two stages or more (one stage is one buffer)."""
-        return (self.num_stages or 0) >= 2 and bool(self.pipeline_loads)
+        return (self.num_stages or 0) >= 2 and self.copies_in_pipeline
 
     @property
     def producer_consumer(self) -> bool:
-        """Whether TileLang warp-specialises the kernel: allowed, and a pipelined loop loads."""
-        return self.warp_specialized and (self.num_stages or 0) >= 1 and bool(self.pipeline_loads)
+        """Whether TileLang warp-specialises the kernel: allowed, and a pipelined loop copies."""
+        return self.warp_specialized and (self.num_stages or 0) >= 1 and self.copies_in_pipeline
 
     @property
     def unspecialised_pipeline(self) -> bool:
@@ -367,7 +376,7 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
                         loads.add(dst)
                         thread_loads.add(dst)
     warp_specialized = not configs.get("tl.disable_warp_specialized", False)
-    producer_consumer = warp_specialized and (num_stages or 0) >= 1 and bool(loads)
+    producer_consumer = warp_specialized and (num_stages or 0) >= 1 and bool(loads - thread_loads)
 
     # wgmma (M >= 64, 16-bit operands, whole warpgroups, B in shared memory) reads its shared
     # operands through descriptors, which need 1024-byte alignment; other GEMMs are mma.sync.
