@@ -25,7 +25,7 @@ FLA_SIGNATURES = {
                                "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
                                "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "chunk_indices"],
     "chunk_kda": ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
-                  "use_qk_l2norm_in_kernel"],
+                  "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval"],
 }
 
 
@@ -51,9 +51,6 @@ def _qkv(B=1, T=8, H=2, K=16, V=16, dtype=torch.bfloat16, device="cpu"):
         pytest.param(lambda q, k, v: ops.chunk_gla(q[0], k, v, None), "4-D tensor [B, T, H, D]", id="3d"),
         pytest.param(lambda q, k, v: ops.chunk_gla(q, k, v, torch.zeros(1, 8, 2)), "needs g of shape [1, 8, 2, 16]", id="g-shape"),
         pytest.param(lambda q, k, v: ops.chunk_kda(q, k, v, torch.zeros(1, 8, 2, 16), None), "needs beta", id="no-beta"),
-        pytest.param(lambda q, k, v: ops.chunk_kda(q, k, v, torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2),
-                                                   cu_seqlens=torch.tensor([0, 8])),
-                     "cu_seqlens is not supported", id="varlen-kda"),
         pytest.param(lambda q, k, v: ops.chunk_simple_gla(q, k, v, g=torch.zeros(1, 8, 2), g_gamma=torch.zeros(2)),
                      "only one of g and g_gamma", id="g-and-g_gamma"),
     ],
@@ -64,52 +61,51 @@ def test_wrong_inputs_get_a_clear_error(call, message):
         call(q, k, v)
 
 
-def _gdn(B=1, T=8, H=2, HV=4, K=16, **kwargs):
-    """chunk_gated_delta_rule on CPU inputs of H query/key and HV value heads (fails, if at all, in its checks
-    before the CUDA one)."""
+def _delta_rule(variant, B=1, T=8, H=2, HV=4, K=16, **kwargs):
+    """chunk_gated_delta_rule (gdn) or chunk_kda (kda, g per channel) on CPU inputs of H query/key and HV
+    value heads (fails, if at all, in its checks before the CUDA one)."""
     q, k, _ = _qkv(B, T, H, K)
     v = torch.randn(B, T, HV, K, dtype=torch.bfloat16)
-    return ops.chunk_gated_delta_rule(q, k, v, torch.zeros(B, T, HV), torch.ones(B, T, HV), **kwargs)
+    g = torch.zeros(B, T, HV, *((K,) if variant == "kda" else ()))
+    op = ops.chunk_kda if variant == "kda" else ops.chunk_gated_delta_rule
+    return op(q, k, v, g, torch.ones(B, T, HV), **kwargs)
 
 
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
 @pytest.mark.parametrize(
-    "call, message",
+    "arguments, message",
     [
-        pytest.param(lambda: _gdn(B=2, cu_seqlens=torch.tensor([0, 3, 8])), "batch size is expected to be 1",
-                     id="batch"),
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(3, 4, 16, 16)),
+        pytest.param(dict(B=2, cu_seqlens=torch.tensor([0, 3, 8])), "batch size is expected to be 1", id="batch"),
+        pytest.param(dict(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(3, 4, 16, 16)),
                      "equal to the number of input sequences, i.e., 2 rather than 3", id="states"),
-        pytest.param(lambda: _gdn(HV=3), "multiple of q's and k's 2", id="heads-not-a-multiple"),
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 5, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 5, 3, 8])),
+        pytest.param(dict(HV=3), "multiple of q's and k's 2", id="heads-not-a-multiple"),
+        pytest.param(dict(cu_seqlens=torch.tensor([0, 5, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 5, 3, 8])),
                      "must rise from 0 to T=8", id="falling"),
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 3, 7]), cu_seqlens_cpu=torch.tensor([0, 3, 7])),
+        pytest.param(dict(cu_seqlens=torch.tensor([0, 3, 7]), cu_seqlens_cpu=torch.tensor([0, 3, 7])),
                      "must rise from 0 to T=8", id="short-of-T"),
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0.0, 8.0])), "1-D int32 or int64", id="float-bounds"),
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([8])), "1-D int32 or int64", id="one-bound"),
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 8]), cu_seqlens_cpu=torch.tensor([0, 4, 8])),
+        pytest.param(dict(cu_seqlens=torch.tensor([0.0, 8.0])), "1-D int32 or int64", id="float-bounds"),
+        pytest.param(dict(cu_seqlens=torch.tensor([8])), "1-D int32 or int64", id="one-bound"),
+        pytest.param(dict(cu_seqlens=torch.tensor([0, 8]), cu_seqlens_cpu=torch.tensor([0, 4, 8])),
                      "cu_seqlens on the host", id="cpu-copy-differs"),
-        pytest.param(lambda: _gdn(chunk_indices=torch.zeros(1, 2, dtype=torch.long)), "give cu_seqlens too",
-                     id="index-alone"),
-        pytest.param(lambda: _gdn(cu_seqlens=torch.tensor([0, 8]), chunk_indices=torch.zeros(2)),
-                     "[chunks, 2]", id="index-shape"),
-        pytest.param(lambda: _gdn(initial_state=torch.zeros(1, 2, 16, 16)), "[1, 4, 16, 16]", id="state-heads"),
-        pytest.param(lambda: _gdn(allow_neg_eigval=True), "allow_neg_eigval is not supported", id="neg-eigval"),
-        pytest.param(lambda: ops.chunk_kda(*_qkv(H=2)[:2], torch.randn(1, 8, 4, 16, dtype=torch.bfloat16),
-                                           torch.zeros(1, 8, 4, 16), torch.ones(1, 8, 4)),
-                     "grouped value heads are not supported by tuner.ops for kda", id="kda-grouped"),
+        pytest.param(dict(chunk_indices=torch.zeros(1, 2, dtype=torch.long)), "give cu_seqlens too", id="index-alone"),
+        pytest.param(dict(cu_seqlens=torch.tensor([0, 8]), chunk_indices=torch.zeros(2)), "[chunks, 2]",
+                     id="index-shape"),
+        pytest.param(dict(initial_state=torch.zeros(1, 2, 16, 16)), "[1, 4, 16, 16]", id="state-heads"),
+        pytest.param(dict(allow_neg_eigval=True), "allow_neg_eigval is not supported", id="neg-eigval"),
         # Checked, the inputs reach the device check: the rest is the GPU's.
-        pytest.param(lambda: _gdn(K=64, cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
-                                  initial_state=torch.zeros(2, 4, 64, 64)), "must be on a CUDA device", id="valid"),
+        pytest.param(dict(K=64, cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
+                          initial_state=torch.zeros(2, 4, 64, 64)), "must be on a CUDA device", id="valid"),
     ],
 )
-def test_packed_and_grouped_inputs_get_fla_s_errors(call, message):
+def test_packed_and_grouped_inputs_get_fla_s_errors(variant, arguments, message):
     with pytest.raises(ops.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        call()
+        _delta_rule(variant, **arguments)
 
 
-def test_errors_of_bad_packed_inputs_are_value_errors_as_fla_s():
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_errors_of_bad_packed_inputs_are_value_errors_as_fla_s(variant):
     with pytest.raises(ValueError):
-        _gdn(B=2, cu_seqlens=torch.tensor([0, 3, 8]))
+        _delta_rule(variant, B=2, cu_seqlens=torch.tensor([0, 3, 8]))
 
 
 @needs_cuda
@@ -200,6 +196,19 @@ def test_the_op_calls_fla_with_the_users_arguments_where_fla_is_faster(variant, 
     assert fla.calls == [name]
     expected_o, expected_state = call(fla, x)
     assert torch.equal(o, expected_o) and torch.equal(state, expected_state)
+
+
+def test_a_packed_kda_call_gives_fla_the_sequences_but_not_the_chunk_index_its_chunk_kda_lacks(measured, fla_standin,
+                                                                                              monkeypatch):
+    measured("kda", 0.5)  # FLA faster and no packed winner: FLA runs the packed call
+    x = cpu_inputs("kda")
+    fla, passed = baseline.fla_ops(), {}
+    monkeypatch.setattr(fla, "chunk_kda", lambda *args, **kwargs: passed.update(kwargs) or (args[0], None))
+    cu_seqlens, cu_seqlens_cpu = torch.tensor([0, 3, 8]), torch.tensor([0, 3, 8])
+    ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                  chunk_indices=torch.tensor([[0, 0], [1, 0]]))
+    assert passed["cu_seqlens"] is cu_seqlens and passed["cu_seqlens_cpu"] is cu_seqlens_cpu
+    assert "chunk_indices" not in passed  # FLA 0.6.0's chunk_kda would take it in **kwargs and ignore it
 
 
 def test_the_tuners_kernel_runs_where_it_is_faster_or_fla_is_absent_or_the_switch_says_so(measured, fla_standin,

@@ -11,10 +11,10 @@ forced ``"fla"`` is an error then. FLA is imported only when it runs, and called
 is memoised with the config, once per problem, device and backend: a later call reads the switch's
 environment variable and one dictionary entry.
 
-``chunk_gated_delta_rule`` takes packed sequences (``cu_seqlens``, B = 1) and grouped value heads, as
-FLA does: the config is looked up by the total tokens and the value heads, so a new mix of lengths
-needs no new compile (the kernels take the lengths at run time), and no tensor's values are read on
-the host (no sync); the chunk index is built on the device unless FLA's ``chunk_indices`` is given.
+``chunk_gated_delta_rule`` and ``chunk_kda`` take packed sequences (``cu_seqlens``, B = 1) and grouped
+value heads, as FLA does: the config is looked up by the total tokens and the value heads, so a new mix
+of lengths needs no new compile (the kernels take the lengths at run time), and no tensor's values are
+read on the host (no sync); the chunk index is built on the device unless ``chunk_indices`` is given.
 
 Inputs are checked the same whatever runs; forward only: these are inference kernels, an input that
 requires grad is refused. Not supported (a clear error instead): variable-length batches
@@ -310,29 +310,39 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              cu_seqlens=None, backend=None):
+              allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+              backend=None):
     """Kimi Delta Attention, FLA's ``chunk_kda``.
 
     Args:
-        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
-        g (torch.Tensor): per-channel log decay [B, T, H, K]. beta (torch.Tensor): [B, T, H].
-        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, HV, V], HV a multiple of H (grouped
+            value heads: value head j reads query/key head j // (HV / H)).
+        g (torch.Tensor): per-channel log decay [B, T, HV, K]. beta (torch.Tensor): [B, T, HV].
+        scale (float): Default: K ** -0.5.
+        initial_state (torch.Tensor): [N, HV, K, V], N = B or the packed sequences. Default: None.
         output_final_state (bool): Default: False.
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+        cu_seqlens, cu_seqlens_cpu (torch.Tensor): packed sequences, as for ``chunk_gated_delta_rule``.
+            Default: None.
+        chunk_indices (torch.Tensor): FLA's [chunks, 2] (sequence, chunk) index of the packed sequences,
+            as for ``chunk_gated_delta_rule``. FLA 0.6.0's ``chunk_kda`` has no such parameter (it builds
+            its own), so where FLA runs the call it is not passed on. Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
-        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+        o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
     _unsupported(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                 cu_seqlens=cu_seqlens)
-    problem, fla, config = _route("kda", q, k, v, g, beta, initial_state, backend)
+                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
+    _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    problem, fla, config = _route("kda", q, k, v, g, beta, initial_state, backend, cu_seqlens)
     if fla is not None:
         return fla.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
-                       use_qk_l2norm_in_kernel)
+                       use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
 __all__ = ["chunk_linear_attn", "chunk_retention", "chunk_simple_gla", "chunk_gla", "chunk_gated_delta_rule",
