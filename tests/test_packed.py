@@ -10,16 +10,14 @@ no host sync, no new compile for a new mix of lengths.
 """
 from __future__ import annotations
 
-import importlib.util
-import re
-
 import pytest
 import torch
+from packed_checks import (Launched, bounds_of, compiled_configs, counted_index, delta_inputs, mixed_lengths, module_of,
+                           refuse_host_reads, rel_l2, token_accesses)
 from template_checks import assert_compiles_clean, cuda, rendered_config
 
 from tuner import reference, space
-from tuner.candidate import Candidate
-from tuner.inputs import PACKED_LENGTHS, packed_lengths
+from tuner.inputs import PACKED_LENGTHS
 from tuner.problem import Problem
 
 KERNELS = {"pre_seq": ["prepare", "sequential"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"]}
@@ -34,35 +32,6 @@ READ = {"pre_seq": {"Q", "K", "V", "G", "Beta", "WQ", "WK", "AB", "AQK"},
 WRITTEN = {"pre_seq": {"WQ", "WK", "AB", "AQK", "O"}, "chunked": {"GC", "W", "U", "VN", "O"}}
 # The tensors copied as whole tiles: the states (and the chunked split's state entering each chunk).
 WHOLE = {"pre_seq": {"H0", "HT"}, "chunked": {"H0", "HT", "Hs"}}
-
-
-def module_of(candidate: Candidate, tmp_path):
-    """The generated module, imported without compiling anything."""
-    path = tmp_path / f"{candidate.name}.py"
-    path.write_text(candidate.source)
-    spec = importlib.util.spec_from_file_location(candidate.name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def counted_index(lengths, C, per_block) -> list[tuple[int, int]]:
-    """The chunk index counted out sequence by sequence: (sequence, chunk) of every chunk, then (-1, 0) up
-    to the documented slot count (ceil(T / C) + N - 1, at least 1, rounded up to whole blocks)."""
-    rows = [(n, c) for n, length in enumerate(lengths) for c in range(-(-length // C))]
-    slots = max(-(-sum(lengths) // C) + len(lengths) - 1, 1)
-    slots = -(-slots // per_block) * per_block
-    assert len(rows) <= slots, "the slot bound holds fewer slots than the sequences have chunks"
-    return rows + [(-1, 0)] * (slots - len(rows))
-
-
-def bounds_of(lengths, dtype=torch.int64, device="cpu") -> torch.Tensor:
-    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(dtype=dtype, device=device)
-
-
-def mixed_lengths(seed: int, total: int = 1500) -> list[int]:
-    """PACKED_LENGTHS, then a seeded random mix: tuner.inputs' packed regime."""
-    return packed_lengths(total, torch.Generator().manual_seed(seed))
 
 
 # ---- CPU: what is rendered and compiled ----
@@ -81,21 +50,11 @@ def test_packed_kernels_compile_without_spills_or_screen_rejection(dim, override
 def test_every_token_load_and_store_is_masked_at_the_sequence_end(overrides):
     split = overrides["split"]
     source = rendered_config("gdn", 128, **overrides).source
-    lines = source[source.index(f"def {KERNELS[split][0]}"):source.index("def programs")].splitlines()
-    kernels = "\n".join(lines)
-    copied = set(re.findall(r"T\.copy\((\w+)\[", kernels)) | set(re.findall(r"T\.copy\(\w+, (\w+)\[", kernels))
+    copied, read, written = token_accesses(source, KERNELS[split][0])
     assert copied == WHOLE[split]
-    read = set(re.findall(r"T\.if_then_else\(c \* C \+ i < seqlen, (\w+)\[bos \+ c \* C \+ i", kernels))
     assert read == READ[split]
-    written = {}
-    for number, line in enumerate(lines):
-        target = re.match(r"(\s+)(\w+)\[bos \+ c \* C \+ i.*\] = ", line)
-        if target:  # the statement it sits in, one indentation level up, must be the mask
-            indent = len(target.group(1))
-            outer = next(up for up in reversed(lines[:number]) if len(up) - len(up.lstrip()) < indent)
-            written[target.group(2)] = outer.strip()
     assert written == dict.fromkeys(WRITTEN[split], "if c * C + i < seqlen:")
-    assert "h = hv // (HV // H)" in kernels  # grouped value heads: q and k read at the query/key head
+    assert "h = hv // (HV // H)" in source  # grouped value heads: q and k read at the query/key head
 
 
 def test_packed_is_set_by_the_caller_and_never_searched():
@@ -147,46 +106,10 @@ def test_fla_chunk_indices_are_used_as_given_and_padded_to_whole_blocks(tmp_path
     assert [tuple(row) for row in built.tolist()] == [*map(tuple, exact.tolist()), (-1, 0), (-1, 0)]
 
 
-class Launched(dict):
-    """Kernels that record their arguments instead of running."""
-
-    def __missing__(self, name):
-        def launch(*args):
-            self.calls[name] = args
-        return launch
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-
-def refuse_host_reads(patch) -> None:
-    """Make every way Python reads a tensor's values on the host raise (on a GPU, each is a sync)."""
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("a tensor's values were read on the host")
-
-    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
-        patch.setattr(torch.Tensor, name, refuse)
-
-
-def gdn_inputs(lengths, H, HV, D=64, seed=0, dtype=torch.bfloat16, device="cpu"):
-    """Packed (B = 1) gdn inputs of ``lengths`` with H query/key and HV value heads, one initial state
-    per sequence."""
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=gen), dim=-1) for _ in range(2))
-    v = torch.randn(1, T, HV, D, generator=gen)
-    g = torch.log(0.9 + 0.099 * torch.rand(1, T, HV, generator=gen))
-    beta = torch.rand(1, T, HV, generator=gen).clamp(1e-3, 1 - 1e-3)
-    h0 = torch.randn(len(lengths), HV, D, D, generator=gen)
-    return dict(q=q.to(device, dtype), k=k.to(device, dtype), v=v.to(device, dtype), g=g.to(device),
-                beta=beta.to(device), initial_state=h0.to(device))
-
-
 def test_the_glue_reads_no_value_on_the_host_and_launches_on_the_packed_rows(monkeypatch, tmp_path):
     module = module_of(rendered_config("gdn", 64, **PACKED), tmp_path)
     lengths = PACKED_LENGTHS
-    x = gdn_inputs(lengths, H=2, HV=4)
+    x = delta_inputs("gdn", lengths, H=2, HV=4)
     cu_seqlens = bounds_of(lengths, torch.int32)
     kernels = Launched()
     with monkeypatch.context() as patch:
@@ -204,7 +127,7 @@ def test_the_glue_reads_no_value_on_the_host_and_launches_on_the_packed_rows(mon
 def test_the_chunked_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_first_chunk(monkeypatch, tmp_path):
     module = module_of(rendered_config("gdn", 64, **PACKED_CHUNKED), tmp_path)
     lengths = (0, 130, 1, 64, 65)
-    x = gdn_inputs(lengths, H=1, HV=2)
+    x = delta_inputs("gdn", lengths, H=1, HV=2)
     kernels = Launched()
     with monkeypatch.context() as patch:
         refuse_host_reads(patch)
@@ -228,7 +151,7 @@ def test_the_host_read_guard_catches_a_read(monkeypatch):
 
 def test_a_dense_batch_goes_through_as_one_sequence_per_row(tmp_path):
     module = module_of(rendered_config("gdn", 64, **PACKED), tmp_path)
-    x = gdn_inputs((100,), H=1, HV=3)
+    x = delta_inputs("gdn", (100,), H=1, HV=3)
     x = {name: t.expand(2, *t.shape[1:]).contiguous() for name, t in x.items()}  # B = 2 rows of 100
     kernels = Launched()
     o, ht = module.forward(kernels, **x)
@@ -239,24 +162,10 @@ def test_a_dense_batch_goes_through_as_one_sequence_per_row(tmp_path):
 
 # ---- GPU: the kernels against independent truth ----
 
-def rel_l2(out, ref) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 @pytest.fixture(scope="module")
 def compiled():
     """(module, kernels) per config, compiled once for the GPU tests."""
-    from tuner.compile import load_kernels
-
-    cache = {}
-
-    def get(**overrides):
-        key = tuple(sorted(overrides.items()))
-        if key not in cache:
-            cache[key] = load_kernels(rendered_config("gdn", 64, **overrides))
-        return cache[key]
-
-    return get
+    return compiled_configs("gdn")
 
 
 @cuda
@@ -266,7 +175,7 @@ def compiled():
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, overrides, dtype, lengths):
     lengths = mixed_lengths(11) if lengths == "mix" else lengths
     H, HV = 2, 4
-    x = gdn_inputs(lengths, H, HV, device="cuda")
+    x = delta_inputs("gdn", lengths, H, HV, device="cuda")
     cu_seqlens = bounds_of(lengths, dtype, "cuda")
     module, kernels = compiled(**overrides)
     o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
@@ -288,7 +197,7 @@ def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(comp
 @pytest.mark.parametrize("overrides", [PACKED_ALL, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
 def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_device(compiled, overrides):
     lengths = mixed_lengths(3)
-    x = gdn_inputs(lengths, 2, 4, device="cuda")
+    x = delta_inputs("gdn", lengths, 2, 4, device="cuda")
     cu_seqlens = bounds_of(lengths, torch.int64, "cuda")
     module, kernels = compiled(**overrides)
     exact = torch.tensor([(n, c) for n, length in enumerate(lengths) for c in range(-(-length // 64))], device="cuda")
@@ -301,7 +210,7 @@ def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_devic
 @pytest.mark.parametrize("overrides", [PACKED, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
 def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads(compiled, overrides):
     H, HV = 2, 6
-    x = gdn_inputs((200,), H, HV, device="cuda")
+    x = delta_inputs("gdn", (200,), H, HV, device="cuda")
     x = {name: t.expand(3, *t.shape[1:]).contiguous() for name, t in x.items()}
     x["v"] = x["v"] * torch.linspace(0.5, 1.5, 3, device="cuda")[:, None, None, None].to(x["v"].dtype)
     module, kernels = compiled(**overrides)
@@ -329,7 +238,7 @@ def test_the_gate_runs_and_passes_the_packed_regime(overrides):
 def test_ops_takes_packed_sequences_without_a_host_sync_or_a_new_compile_for_a_new_mix():
     from tuner import ops
 
-    x = gdn_inputs(mixed_lengths(5), 2, 4, device="cuda")
+    x = delta_inputs("gdn", mixed_lengths(5), 2, 4, device="cuda")
     T = x["q"].shape[1]
     # The tuner's kernels, whatever FLA's stored baselines say (FLA reads cu_seqlens on the host).
     call = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], output_final_state=True, backend="tuner")
@@ -358,7 +267,7 @@ def test_ops_takes_packed_sequences_without_a_host_sync_or_a_new_compile_for_a_n
 def test_ops_grouped_value_heads_of_a_dense_batch_match_the_oracle():
     from tuner import ops
 
-    x = gdn_inputs((300,), 2, 8, device="cuda")
+    x = delta_inputs("gdn", (300,), 2, 8, device="cuda")
     x = {name: t.expand(2, *t.shape[1:]).contiguous() for name, t in x.items()}
     o, ht = ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                        output_final_state=True, backend="tuner")

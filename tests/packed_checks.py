@@ -1,0 +1,119 @@
+"""Checks shared by the tests of the kernels of packed sequences and grouped value heads
+(test_packed.py: gdn; test_packed_kda.py: kda): a generated module imported without compiling, the
+chunk index counted out sequence by sequence, packed inputs, kernels that record their launches, a
+guard against reading a tensor's values on the host, and the token tensors a module's kernels read and
+write through masked statements or copy whole."""
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import torch
+from template_checks import rendered_config
+
+from tuner.candidate import Candidate
+from tuner.inputs import packed_lengths
+
+
+def module_of(candidate: Candidate, tmp_path):
+    """The generated module, imported without compiling anything."""
+    path = tmp_path / f"{candidate.name}.py"
+    path.write_text(candidate.source)
+    spec = importlib.util.spec_from_file_location(candidate.name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def counted_index(lengths, C, per_block) -> list[tuple[int, int]]:
+    """The chunk index counted out sequence by sequence: (sequence, chunk) of every chunk, then (-1, 0) up
+    to the documented slot count (ceil(T / C) + N - 1, at least 1, rounded up to whole blocks)."""
+    rows = [(n, c) for n, length in enumerate(lengths) for c in range(-(-length // C))]
+    slots = max(-(-sum(lengths) // C) + len(lengths) - 1, 1)
+    slots = -(-slots // per_block) * per_block
+    assert len(rows) <= slots, "the slot bound holds fewer slots than the sequences have chunks"
+    return rows + [(-1, 0)] * (slots - len(rows))
+
+
+def bounds_of(lengths, dtype=torch.int64, device="cpu") -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(dtype=dtype, device=device)
+
+
+def mixed_lengths(seed: int, total: int = 1500) -> list[int]:
+    """PACKED_LENGTHS, then a seeded random mix: tuner.inputs' packed regime."""
+    return packed_lengths(total, torch.Generator().manual_seed(seed))
+
+
+def delta_inputs(variant, lengths, H, HV, D=64, seed=0, dtype=torch.bfloat16, device="cpu"):
+    """Packed (B = 1) inputs of a delta variant ("gdn": g [1, T, HV]; "kda": g [1, T, HV, D]) of
+    ``lengths`` with H query/key and HV value heads, one initial state per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, D, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(1, T, HV, D, generator=gen)
+    channels = (D,) if variant == "kda" else ()
+    g = torch.log(0.9 + 0.099 * torch.rand(1, T, HV, *channels, generator=gen))
+    beta = torch.rand(1, T, HV, generator=gen).clamp(1e-3, 1 - 1e-3)
+    h0 = torch.randn(len(lengths), HV, D, D, generator=gen)
+    return dict(q=q.to(device, dtype), k=k.to(device, dtype), v=v.to(device, dtype), g=g.to(device),
+                beta=beta.to(device), initial_state=h0.to(device))
+
+
+class Launched(dict):
+    """Kernels that record their arguments instead of running."""
+
+    def __missing__(self, name):
+        def launch(*args):
+            self.calls[name] = args
+        return launch
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+
+def refuse_host_reads(patch) -> None:
+    """Make every way Python reads a tensor's values on the host raise (on a GPU, each is a sync)."""
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a tensor's values were read on the host")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        patch.setattr(torch.Tensor, name, refuse)
+
+
+def token_accesses(source: str, first_kernel: str) -> tuple[set, set, dict]:
+    """The tensors the kernels of ``source`` (from ``def first_kernel`` to ``def programs``) copy as
+    whole tiles, read row by row through the sequence-end mask, and write row by row, each written one
+    with the statement it sits in (one indentation level up: the mask, where every write must be)."""
+    lines = source[source.index(f"def {first_kernel}"):source.index("def programs")].splitlines()
+    kernels = "\n".join(lines)
+    copied = set(re.findall(r"T\.copy\((\w+)\[", kernels)) | set(re.findall(r"T\.copy\(\w+, (\w+)\[", kernels))
+    read = set(re.findall(r"T\.if_then_else\(c \* C \+ i < seqlen, (\w+)\[bos \+ c \* C \+ i", kernels))
+    written = {}
+    for number, line in enumerate(lines):
+        target = re.match(r"(\s+)(\w+)\[bos \+ c \* C \+ i.*\] = ", line)
+        if target:
+            indent = len(target.group(1))
+            outer = next(up for up in reversed(lines[:number]) if len(up) - len(up.lstrip()) < indent)
+            written[target.group(2)] = outer.strip()
+    return copied, read, written
+
+
+def rel_l2(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def compiled_configs(variant: str):
+    """(module, kernels) of ``variant``'s config at DK = DV = 64 with the given overrides, each compiled
+    once: the GPU tests' fixture."""
+    from tuner.compile import load_kernels
+
+    cache = {}
+
+    def get(**overrides):
+        key = tuple(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = load_kernels(rendered_config(variant, 64, **overrides))
+        return cache[key]
+
+    return get
