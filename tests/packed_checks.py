@@ -1,8 +1,9 @@
 """Checks shared by the tests of the kernels of packed sequences and grouped value heads
-(test_packed.py: gdn; test_packed_kda.py: kda): a generated module imported without compiling, the
-chunk index counted out sequence by sequence, packed inputs, kernels that record their launches, a
-guard against reading a tensor's values on the host, and the token tensors a module's kernels read and
-write through masked statements or copy whole."""
+(test_packed.py: those of gdn and kda, parametrized over the variant, and gdn's own; test_packed_kda.py:
+kda's own): each variant's packed configs, a generated module imported without compiling, the chunk index
+counted out sequence by sequence, packed inputs, kernels that record their launches, a guard against
+reading a tensor's values on the host, a module's glue run on recording kernels under that guard, and the
+token tensors a module's kernels read and write through masked statements or copy whole."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,6 +14,30 @@ from template_checks import rendered_config
 
 from tuner.candidate import Candidate
 from tuner.inputs import packed_lengths
+
+# Each variant's packed configs by name: the default packed one of each split ("default": pre_seq;
+# "chunked"), and one with every parameter of the split off its default ("all"; kda's "chunked-all"; gdn's
+# "chunked" sets the one parameter of its chunked split, block_dv_o). Several chunks per precompute block
+# pad the chunk index to whole blocks; kda's two stages need warp specialisation.
+PACKED = {"split": "pre_seq", "packed": True}
+CONFIGS = {
+    "gdn": {
+        "default": PACKED,
+        "all": {**PACKED, "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True, "prepare_chunks": 2},
+        "chunked": {"split": "chunked", "packed": True, "block_dv_o": 64},
+    },
+    "kda": {
+        "default": PACKED,
+        "all": {**PACKED, "sub_chunk": 32, "block_dv": 32, "block_dk": 64, "num_stages": 2, "threads": 128,
+                "warp_specialized": True, "prepare_chunks": 2, "overlap": True, "solve": "doubling",
+                "system_in": "shared"},
+        "chunked": {"split": "chunked", "packed": True},
+        "chunked-all": {"split": "chunked", "packed": True, "chunk_size": 32, "sub_chunk": 32, "block_dv": 32,
+                        "block_dv_o": 128, "block_dk": 64, "num_stages": 2, "threads": 128,
+                        "warp_specialized": True, "qk_in": "shared", "system_in": "shared", "wu_in": "fragment"},
+    },
+}
+VARIANTS = list(CONFIGS)
 
 
 def module_of(candidate: Candidate, tmp_path):
@@ -79,6 +104,20 @@ def refuse_host_reads(patch) -> None:
 
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         patch.setattr(torch.Tensor, name, refuse)
+
+
+def launched(variant, overrides, lengths, H, HV, monkeypatch, tmp_path, dtype=torch.int64):
+    """``variant``'s module of ``overrides`` (DK = DV = 64) run on packed inputs of ``lengths`` with H
+    query/key and HV value heads (cu_seqlens of ``dtype``), its kernels recording their launches and every
+    way of reading a tensor's values on the host refused: (kernels, inputs, cu_seqlens, o, ht)."""
+    module = module_of(rendered_config(variant, 64, **overrides), tmp_path)
+    x = delta_inputs(variant, lengths, H=H, HV=HV)
+    cu_seqlens = bounds_of(lengths, dtype)
+    kernels = Launched()
+    with monkeypatch.context() as patch:
+        refuse_host_reads(patch)
+        o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
+    return kernels, x, cu_seqlens, o, ht
 
 
 def token_accesses(source: str, first_kernel: str) -> tuple[set, set, dict]:

@@ -1,80 +1,111 @@
-"""Packed sequences and grouped value heads in gdn's pre_seq and chunked kernels (the config's ``packed``).
+"""Packed sequences and grouped value heads in the pre_seq and chunked kernels of gdn and kda (the
+config's ``packed``): the tests of both, each parametrized over the variant (its id says which), and
+gdn's own; kda's own are in test_packed_kda.py.
 
-CPU: the packed kernels compile for sm_90a without spills or screen rejections; every load and store of
-a token tensor is masked at its sequence's end (no whole-tile copy, which would read or write across
-it); the chunk index the host glue builds on the device matches one counted out sequence by sequence;
-the glue reads no tensor's values on the host. GPU (the ``cuda`` marker): the packed kernels against
-each sequence run alone through the dense kernels and against the fp64 oracle, grouped value heads
-against repeated query/key heads, the gate's packed regime, and ``tuner.ops`` with packed sequences:
-no host sync, no new compile for a new mix of lengths.
+CPU: the packed kernels compile for sm_90a without spills or screen rejections, the model's shared memory
+exact; every load and store of a token tensor is masked at its sequence's end (no whole-tile copy, which
+would read or write across it); packed is set by the caller, never searched; the chunk index the host
+glue builds on the device matches one counted out sequence by sequence; the glue reads no tensor's values
+on the host. GPU (the ``cuda`` marker): the packed kernels against each sequence run alone through the
+dense kernels and against the fp64 oracle, FLA's chunk index against the one built on the device, grouped
+value heads against repeated query/key heads, the gate's packed regime, and ``tuner.ops`` with packed
+sequences: no host sync, no new compile for a new mix of lengths.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from packed_checks import (Launched, bounds_of, compiled_configs, counted_index, delta_inputs, mixed_lengths, module_of,
-                           refuse_host_reads, rel_l2, token_accesses)
+from packed_checks import (CONFIGS, PACKED, VARIANTS, Launched, bounds_of, compiled_configs, counted_index,
+                           delta_inputs, launched, mixed_lengths, module_of, refuse_host_reads, rel_l2,
+                           token_accesses)
 from template_checks import assert_compiles_clean, cuda, rendered_config
 
 from tuner import reference, space
 from tuner.inputs import PACKED_LENGTHS
 from tuner.problem import Problem
 
-KERNELS = {"pre_seq": ["prepare", "sequential"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"]}
-# The default packed config, one with every pre_seq parameter off its default (several chunks per
-# precompute block: the chunk index is padded to a whole block), and the chunked split's.
-PACKED = {"split": "pre_seq", "packed": True}
-PACKED_ALL = {**PACKED, "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True, "prepare_chunks": 2}
-PACKED_CHUNKED = {"split": "chunked", "packed": True, "block_dv_o": 64}
-# The tensors of tokens (rows [S, heads, ...]) that each split's packed kernels read, and write.
-READ = {"pre_seq": {"Q", "K", "V", "G", "Beta", "WQ", "WK", "AB", "AQK"},
-        "chunked": {"Q", "K", "V", "G", "Beta", "GC", "W", "U", "VN"}}
-WRITTEN = {"pre_seq": {"WQ", "WK", "AB", "AQK", "O"}, "chunked": {"GC", "W", "U", "VN", "O"}}
-# The tensors copied as whole tiles: the states (and the chunked split's state entering each chunk).
-WHOLE = {"pre_seq": {"H0", "HT"}, "chunked": {"H0", "HT", "Hs"}}
+# Each variant's packed kernels per split (CONFIGS, its packed configs, are in packed_checks.py).
+KERNELS = {"gdn": {"pre_seq": ["prepare", "sequential"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"]},
+           "kda": {"pre_seq": ["prepare", "sequential"], "chunked": ["chunk_intra", "chunk_state", "chunk_o"]}}
+# The tensors of tokens (rows [S, heads, ...]) that each variant's packed kernels read, and write, per split.
+READ = {"gdn": {"pre_seq": {"Q", "K", "V", "G", "Beta", "WQ", "WK", "AB", "AQK"},
+                "chunked": {"Q", "K", "V", "G", "Beta", "GC", "W", "U", "VN"}},
+        "kda": {"pre_seq": {"Q", "K", "G", "Beta", "QG", "KW", "KG", "V", "AB", "AQK"},
+                "chunked": {"Q", "K", "V", "G", "Beta", "GC", "AQK", "W", "U", "VN"}}}
+WRITTEN = {"gdn": {"pre_seq": {"WQ", "WK", "AB", "AQK", "O"}, "chunked": {"GC", "W", "U", "VN", "O"}},
+           "kda": {"pre_seq": {"QG", "KW", "KG", "AB", "AQK", "O"}, "chunked": {"GC", "AQK", "W", "U", "VN", "O"}}}
+# The tensors copied as whole tiles: the states, the chunked split's state entering each chunk, and kda's
+# per-chunk decay GL.
+WHOLE = {"gdn": {"pre_seq": {"H0", "HT"}, "chunked": {"H0", "HT", "Hs"}},
+         "kda": {"pre_seq": {"H0", "HT", "GL"}, "chunked": {"H0", "HT", "Hs"}}}
+# Each variant's op in tuner.ops.
+OPS = {"gdn": "chunk_gated_delta_rule", "kda": "chunk_kda"}
+
+
+def configs(*names, ids=None):
+    """(variant, config) of each variant's packed configs named ``names`` (those it has), each with the id
+    "variant-name", or "variant-" + ids[name]."""
+    return [pytest.param(variant, name, id=f"{variant}-{(ids or {}).get(name, name)}")
+            for variant in VARIANTS for name in names if name in CONFIGS[variant]]
+
+
+def tolerance(variant):
+    return Problem(variant, 64, 64).tolerance
 
 
 # ---- CPU: what is rendered and compiled ----
 
-@pytest.mark.parametrize("dim,overrides", [(64, PACKED), (128, PACKED), (128, PACKED_ALL), (128, PACKED_CHUNKED)],
-                         ids=["k64", "k128", "k128-all", "k128-chunked"])
-def test_packed_kernels_compile_without_spills_or_screen_rejection(dim, overrides, tmp_path):
-    rendered = rendered_config("gdn", dim, **overrides)
-    report = assert_compiles_clean(rendered, KERNELS[overrides["split"]], tmp_path)
+@pytest.mark.parametrize("variant,dim,config", [
+    pytest.param(variant, dim, name, id=f"{variant}-k{dim}" + ("" if name == "default" else f"-{name}"))
+    for variant, dim, name in [("gdn", 64, "default"), ("gdn", 128, "default"), ("gdn", 128, "all"),
+                               ("gdn", 128, "chunked"), ("kda", 64, "default"), ("kda", 128, "default"),
+                               ("kda", 128, "all"), ("kda", 64, "chunked"), ("kda", 128, "chunked"),
+                               ("kda", 128, "chunked-all")]])
+def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
+    overrides = CONFIGS[variant][config]
+    rendered = rendered_config(variant, dim, **overrides)
+    report = assert_compiles_clean(rendered, KERNELS[variant][overrides["split"]], tmp_path)
     # The shared-memory constraint is judged on the model's figures: they must be ptxas'.
     assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
         k.name: k.dynamic_smem_bytes for k in report.kernels}
 
 
-@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL, PACKED_CHUNKED], ids=["default", "all", "chunked"])
-def test_every_token_load_and_store_is_masked_at_the_sequence_end(overrides):
-    split = overrides["split"]
-    source = rendered_config("gdn", 128, **overrides).source
-    copied, read, written = token_accesses(source, KERNELS[split][0])
-    assert copied == WHOLE[split]
-    assert read == READ[split]
-    assert written == dict.fromkeys(WRITTEN[split], "if c * C + i < seqlen:")
+@pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all"))
+def test_every_token_load_and_store_is_masked_at_the_sequence_end(variant, config):
+    split = CONFIGS[variant][config]["split"]
+    source = rendered_config(variant, 128, **CONFIGS[variant][config]).source
+    copied, read, written = token_accesses(source, KERNELS[variant][split][0])
+    assert copied == WHOLE[variant][split]
+    assert read == READ[variant][split]
+    assert written == dict.fromkeys(WRITTEN[variant][split], "if c * C + i < seqlen:")
     assert "h = hv // (HV // H)" in source  # grouped value heads: q and k read at the query/key head
 
 
-def test_packed_is_set_by_the_caller_and_never_searched():
-    gdn, problem = space.load("gdn"), Problem("gdn", 128, 128)
-    assert not any(c.get("packed") for c in gdn.grid())
-    assert "packed" not in gdn.default(problem)
-    default = gdn.default(problem, {"packed": True})
-    assert default["split"] == "pre_seq" and default["packed"] is True
+@pytest.mark.parametrize("variant,split", [("gdn", "pre_seq"), ("kda", "chunked")], ids=VARIANTS)
+def test_packed_is_set_by_the_caller_and_never_searched(variant, split):
+    """A packed call's default is ``split``: gdn's pre_seq, kda's chunked."""
+    variant_space, problem = space.load(variant), Problem(variant, 128, 128)
+    assert not any(c.get("packed") for c in variant_space.grid())
+    assert "packed" not in variant_space.default(problem)
+    default = variant_space.default(problem, {"packed": True})
+    assert default["split"] == split and default["packed"] is True
     dense = {**default, "packed": False}
-    assert gdn.normalise(dense) == {k: v for k, v in default.items() if k != "packed"}
-    assert gdn.fix({"packed": "true"}).params["packed"].values == (True,)
+    assert variant_space.normalise(dense) == {k: v for k, v in default.items() if k != "packed"}
+    assert variant_space.fix({"packed": "true"}).params["packed"].values == (True,)
+
+
+def test_gdns_dense_default_split_takes_packed_too_and_its_fused_split_has_none():
+    gdn, problem = space.load("gdn"), Problem("gdn", 128, 128)
     assert gdn.normalise({**gdn.default(problem), "packed": True})["packed"] is True  # chunked has them too
     # The fused split has no packed kernels yet: there the parameter does not apply.
     assert "packed" not in gdn.normalise({**gdn.default(problem), "split": "fused", "packed": True})
 
 
 @pytest.mark.parametrize("split", ["pre_seq", "chunked"])
-def test_the_packed_kernels_are_other_kernels_than_the_dense_ones(split):
-    dense = rendered_config("gdn", 128, split=split).source
-    packed = rendered_config("gdn", 128, split=split, packed=True).source
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_packed_kernels_are_other_kernels_than_the_dense_ones(variant, split):
+    dense = rendered_config(variant, 128, split=split).source
+    packed = rendered_config(variant, 128, split=split, packed=True).source
     assert dense != packed
     assert "CuSeqlens" in packed and "CuSeqlens" not in dense
     assert "def chunk_index" in packed and "def chunk_index" not in dense
@@ -107,14 +138,8 @@ def test_fla_chunk_indices_are_used_as_given_and_padded_to_whole_blocks(tmp_path
 
 
 def test_the_glue_reads_no_value_on_the_host_and_launches_on_the_packed_rows(monkeypatch, tmp_path):
-    module = module_of(rendered_config("gdn", 64, **PACKED), tmp_path)
     lengths = PACKED_LENGTHS
-    x = delta_inputs("gdn", lengths, H=2, HV=4)
-    cu_seqlens = bounds_of(lengths, torch.int32)
-    kernels = Launched()
-    with monkeypatch.context() as patch:
-        refuse_host_reads(patch)
-        o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
+    kernels, x, cu_seqlens, o, ht = launched("gdn", PACKED, lengths, 2, 4, monkeypatch, tmp_path, torch.int32)
     assert o.shape == (1, sum(lengths), 4, 64) and ht.shape == (len(lengths), 4, 64, 64)
     q, k, g, beta, wq, wk, ab, aqk, bounds, chunks = kernels.calls["prepare"]
     assert q.shape == (sum(lengths), 2, 64) and g.shape == (sum(lengths), 4) and ab.shape == (sum(lengths), 4, 64)
@@ -124,15 +149,12 @@ def test_the_glue_reads_no_value_on_the_host_and_launches_on_the_packed_rows(mon
     assert sequential[10] is bounds and torch.equal(sequential[7], x["initial_state"])
 
 
-def test_the_chunked_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_first_chunk(monkeypatch, tmp_path):
-    module = module_of(rendered_config("gdn", 64, **PACKED_CHUNKED), tmp_path)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_chunked_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_first_chunk(variant, monkeypatch,
+                                                                                              tmp_path):
     lengths = (0, 130, 1, 64, 65)
-    x = delta_inputs("gdn", lengths, H=1, HV=2)
-    kernels = Launched()
-    with monkeypatch.context() as patch:
-        refuse_host_reads(patch)
-        module.forward(kernels, **x, cu_seqlens=bounds_of(lengths))
-    chunks = kernels.calls["chunk_wu"][-1]
+    kernels = launched(variant, CONFIGS[variant]["chunked"], lengths, 1, 2, monkeypatch, tmp_path)[0]
+    chunks = kernels.calls[KERNELS[variant]["chunked"][0]][-1]
     assert kernels.calls["chunk_o"][-2] is chunks
     hs, starts = kernels.calls["chunk_state"][5], kernels.calls["chunk_state"][-1]
     index = [tuple(row) for row in chunks.tolist()]
@@ -164,26 +186,27 @@ def test_a_dense_batch_goes_through_as_one_sequence_per_row(tmp_path):
 
 @pytest.fixture(scope="module")
 def compiled():
-    """(module, kernels) per config, compiled once for the GPU tests."""
-    return compiled_configs("gdn")
+    """(module, kernels) per variant and config, compiled once for the GPU tests."""
+    return {variant: compiled_configs(variant) for variant in VARIANTS}
 
 
 @cuda
-@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL, PACKED_CHUNKED], ids=["default", "all", "chunked"])
+@pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
-def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, overrides, dtype, lengths):
+def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,
+                                                                           lengths):
     lengths = mixed_lengths(11) if lengths == "mix" else lengths
     H, HV = 2, 4
-    x = delta_inputs("gdn", lengths, H, HV, device="cuda")
+    x = delta_inputs(variant, lengths, H, HV, device="cuda")
     cu_seqlens = bounds_of(lengths, dtype, "cuda")
-    module, kernels = compiled(**overrides)
+    overrides = CONFIGS[variant][config]
+    module, kernels = compiled[variant](**overrides)
     o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
-    o_ref, ht_ref = reference.chunked("gdn", **x, output_final_state=True, cu_seqlens=cu_seqlens)
-    tolerance = Problem("gdn", 64, 64).tolerance
-    assert rel_l2(o, o_ref) < tolerance and rel_l2(ht, ht_ref) < tolerance
+    o_ref, ht_ref = reference.chunked(variant, **x, output_final_state=True, cu_seqlens=cu_seqlens)
+    assert rel_l2(o, o_ref) < tolerance(variant) and rel_l2(ht, ht_ref) < tolerance(variant)
     # Each sequence alone through the dense kernels of the same config, q and k repeated to HV heads.
-    dense_module, dense_kernels = compiled(**{**overrides, "packed": False})
+    dense_module, dense_kernels = compiled[variant](**{**overrides, "packed": False})
     bounds = cu_seqlens.tolist()
     for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
         alone = {name: t[:, start:end] for name, t in x.items() if name != "initial_state"}
@@ -194,51 +217,56 @@ def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(comp
 
 
 @cuda
-@pytest.mark.parametrize("overrides", [PACKED_ALL, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
-def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_device(compiled, overrides):
+@pytest.mark.parametrize("variant,config", [  # each split's config with every parameter off its default
+    pytest.param("gdn", "all", id="gdn-pre_seq"), pytest.param("gdn", "chunked", id="gdn-chunked"),
+    pytest.param("kda", "all", id="kda-pre_seq"), pytest.param("kda", "chunked-all", id="kda-chunked")])
+def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_device(compiled, variant, config):
     lengths = mixed_lengths(3)
-    x = delta_inputs("gdn", lengths, 2, 4, device="cuda")
+    x = delta_inputs(variant, lengths, 2, 4, device="cuda")
     cu_seqlens = bounds_of(lengths, torch.int64, "cuda")
-    module, kernels = compiled(**overrides)
-    exact = torch.tensor([(n, c) for n, length in enumerate(lengths) for c in range(-(-length // 64))], device="cuda")
+    module, kernels = compiled[variant](**CONFIGS[variant][config])
+    exact = torch.tensor([(n, c) for n, length in enumerate(lengths) for c in range(-(-length // module.C))],
+                         device="cuda")
     o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
     o_given, ht_given = module.forward(kernels, **x, cu_seqlens=cu_seqlens, chunk_indices=exact)
     assert torch.equal(o, o_given) and torch.equal(ht, ht_given)
 
 
 @cuda
-@pytest.mark.parametrize("overrides", [PACKED, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
-def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads(compiled, overrides):
+@pytest.mark.parametrize("variant,config", configs("default", "chunked", ids={"default": "pre_seq"}))
+def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads(compiled, variant, config):
     H, HV = 2, 6
-    x = delta_inputs("gdn", (200,), H, HV, device="cuda")
+    x = delta_inputs(variant, (200,), H, HV, device="cuda")
     x = {name: t.expand(3, *t.shape[1:]).contiguous() for name, t in x.items()}
     x["v"] = x["v"] * torch.linspace(0.5, 1.5, 3, device="cuda")[:, None, None, None].to(x["v"].dtype)
-    module, kernels = compiled(**overrides)
+    overrides = CONFIGS[variant][config]
+    module, kernels = compiled[variant](**overrides)
     o, ht = module.forward(kernels, **x)
     repeated = {**x, "q": x["q"].repeat_interleave(HV // H, dim=2), "k": x["k"].repeat_interleave(HV // H, dim=2)}
-    dense_module, dense_kernels = compiled(**{**overrides, "packed": False})
+    dense_module, dense_kernels = compiled[variant](**{**overrides, "packed": False})
     o_ref, ht_ref = dense_module.forward(dense_kernels, **repeated)
     assert rel_l2(o, o_ref) < 1e-3 and rel_l2(ht, ht_ref) < 1e-3
-    o_oracle, ht_oracle = reference.chunked("gdn", **x, output_final_state=True)
-    tolerance = Problem("gdn", 64, 64).tolerance
-    assert rel_l2(o, o_oracle) < tolerance and rel_l2(ht, ht_oracle) < tolerance
+    o_oracle, ht_oracle = reference.chunked(variant, **x, output_final_state=True)
+    assert rel_l2(o, o_oracle) < tolerance(variant) and rel_l2(ht, ht_oracle) < tolerance(variant)
 
 
 @cuda
-@pytest.mark.parametrize("overrides", [PACKED, PACKED_CHUNKED], ids=["pre_seq", "chunked"])
-def test_the_gate_runs_and_passes_the_packed_regime(overrides):
+@pytest.mark.parametrize("variant,config", configs("default", "chunked", ids={"default": "pre_seq"}))
+def test_the_gate_runs_and_passes_the_packed_regime(variant, config):
     from tuner.gate import run_gate
 
-    result = run_gate(rendered_config("gdn", 64, **overrides), seqlens=(1000,), seeds=(0, 1))
+    result = run_gate(rendered_config(variant, 64, **CONFIGS[variant][config]), seqlens=(1000,), seeds=(0, 1))
     assert result.passed, result.message
-    assert "packed" in result.errors and result.errors["packed"]["o"] < Problem("gdn", 64, 64).tolerance
+    assert "packed" in result.errors and result.errors["packed"]["o"] < tolerance(variant)
 
 
 @cuda
-def test_ops_takes_packed_sequences_without_a_host_sync_or_a_new_compile_for_a_new_mix():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ops_takes_packed_sequences_without_a_host_sync_or_a_new_compile_for_a_new_mix(variant):
     from tuner import ops
 
-    x = delta_inputs("gdn", mixed_lengths(5), 2, 4, device="cuda")
+    op = getattr(ops, OPS[variant])
+    x = delta_inputs(variant, mixed_lengths(5), 2, 4, device="cuda")
     T = x["q"].shape[1]
     # The tuner's kernels, whatever FLA's stored baselines say (FLA reads cu_seqlens on the host).
     call = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], output_final_state=True, backend="tuner")
@@ -247,30 +275,30 @@ def test_ops_takes_packed_sequences_without_a_host_sync_or_a_new_compile_for_a_n
         lengths = mixed_lengths(seed, total=T)
         cu_seqlens = bounds_of(lengths, torch.int32, "cuda")
         h0 = torch.randn(len(lengths), 4, 64, 64, device="cuda")
-        ops.chunk_gated_delta_rule(**call, initial_state=h0, cu_seqlens=cu_seqlens)  # compiled on the first
+        op(**call, initial_state=h0, cu_seqlens=cu_seqlens)  # compiled on the first
         misses = ops._compiled.cache_info().misses
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            o, ht = ops.chunk_gated_delta_rule(**call, initial_state=h0, cu_seqlens=cu_seqlens)
+            o, ht = op(**call, initial_state=h0, cu_seqlens=cu_seqlens)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert ops._compiled.cache_info().misses == misses
-        o_ref, ht_ref = reference.chunked("gdn", **{**x, "initial_state": h0}, output_final_state=True,
+        o_ref, ht_ref = reference.chunked(variant, **{**x, "initial_state": h0}, output_final_state=True,
                                           cu_seqlens=cu_seqlens)
-        tolerance = Problem("gdn", 64, 64).tolerance
-        assert rel_l2(o, o_ref) < tolerance and rel_l2(ht, ht_ref) < tolerance
+        assert rel_l2(o, o_ref) < tolerance(variant) and rel_l2(ht, ht_ref) < tolerance(variant)
     assert ops._compiled.cache_info().misses - compiles <= 1  # one kernel for both mixes
 
 
 @cuda
-def test_ops_grouped_value_heads_of_a_dense_batch_match_the_oracle():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ops_grouped_value_heads_of_a_dense_batch_match_the_oracle(variant):
     from tuner import ops
 
-    x = delta_inputs("gdn", (300,), 2, 8, device="cuda")
+    x = delta_inputs(variant, (300,), 2, 8, device="cuda")
     x = {name: t.expand(2, *t.shape[1:]).contiguous() for name, t in x.items()}
-    o, ht = ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+    o, ht = getattr(ops, OPS[variant])(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                        output_final_state=True, backend="tuner")
-    o_ref, ht_ref = reference.chunked("gdn", **x, output_final_state=True)
-    tolerance = Problem("gdn", 64, 64).tolerance
-    assert o.shape == (2, 300, 8, 64) and rel_l2(o, o_ref) < tolerance and rel_l2(ht, ht_ref) < tolerance
+    o_ref, ht_ref = reference.chunked(variant, **x, output_final_state=True)
+    assert o.shape == (2, 300, 8, 64)
+    assert rel_l2(o, o_ref) < tolerance(variant) and rel_l2(ht, ht_ref) < tolerance(variant)
