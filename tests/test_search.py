@@ -642,3 +642,18 @@ def test_tune_without_fla_says_so_and_stores_no_baseline(tmp_path, monkeypatch, 
     search.tune(SMALL, trials=1, db=str(db), jobs=1, gate=refusing_gate([]))
     assert Store(db).baselines() == []
     assert "FLA is not installed: its op is not timed beside the kernels" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_configs_of_one_pruned_kernel_are_one_judgement_and_its_repeats(tmp_path, cache_env):
+    """With a budget no kernel meets, every config but the default is pruned; configs that render one
+    kernel (parameters the split does not read) repeat the first pruning instead of pruning again."""
+    db = tmp_path / "results.db"
+    done = run_tune(db, "--trials", "2", "--jobs", "1", "--register-budget", "1", "--seed", "3", env=cache_env)
+    assert done.returncode == 0, done.stderr
+    after = rows(db)
+    judged = [r for r in after if r[6] is None and r[4] is not None]
+    assert len({r[4] for r in judged}) == len(judged)  # no kernel judged twice
+    repeats = [r for r in after if r[6] is not None]
+    assert "pruned" in {r[3] for r in repeats}  # the search did meet a pruned kernel again
+    assert [r[3] for r in judged].count("compiled") == 1  # the default, measured though over the budget

@@ -269,11 +269,13 @@ class Runner:
             reason = candidate.prediction.prune_reason(self.budget)
         except Exception as e:  # a model that cannot read a kernel must not stop the study: compile it
             flight.prediction, reason = {"error": f"{type(e).__name__}: {e}"}, None
-        if reason and flight.config != self.default:  # the default is the baseline: always measured
-            return self._finish(flight, Status.PRUNED, reason)
         original = self.recorder.judgement(flight.digest)
-        if original is not None:
+        # A kernel judged before is repeated, pruned ones too (configs that differ only in what a
+        # split does not read render one kernel); the default is measured even where the model prunes.
+        if original is not None and not (original.status == Status.PRUNED and flight.config == self.default):
             return self._repeat(flight, original)
+        if reason and flight.config != self.default:
+            return self._finish(flight, Status.PRUNED, reason)
         if self.recorder.claim(flight.digest, flight.number) == flight.number:
             return flight
         self.waiting_on.setdefault(flight.digest, []).append(flight)
