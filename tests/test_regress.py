@@ -302,21 +302,28 @@ def cpu_gate(source):
     return gate_and_time
 
 
+def decay_winners_at_two_shapes(tmp_path):
+    """A store holding the decay default's kernel as the H200 winner at 1x128x2 and 1x256x2."""
+    from tuner import space
+
+    small = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2)
+    config = space.load("decay").default(small)
+    store = Store(tmp_path / "r.db")
+    digest = Candidate.from_config(small, config).digest
+    return store, [store.write_winner(Winner(p, H200, digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
+                   for p in (small, small.at("1x256x2"))]
+
+
 def test_regress_re_times_fla_beside_the_winners_and_judges_them_against_it(tmp_path, monkeypatch, fla_standin):
     from pathlib import Path
 
-    from tuner import gate, regress, space
+    from tuner import gate, regress
 
     monkeypatch.setattr(stack, "has_gpu", lambda: True)
     monkeypatch.setattr(stack, "current", lambda device=0: H200)
     source = (Path(__file__).parent / "fixtures" / "torch_forward.py").read_text()  # the correct decay module
     monkeypatch.setattr(gate, "gate_and_time", cpu_gate(source))
-    small = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2)
-    config = space.load("decay").default(small)
-    store = Store(tmp_path / "r.db")
-    digest = Candidate.from_config(small, config).digest
-    winners = [store.write_winner(Winner(p, H200, digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
-               for p in (small, small.at("1x256x2"))]
+    store, winners = decay_winners_at_two_shapes(tmp_path)
 
     outcomes = regress.remeasure(store, device=0)
 
@@ -351,7 +358,7 @@ def test_fla_only_times_the_missing_baselines_and_judges_the_recorded_history_wi
         tmp_path, monkeypatch, fla_standin):
     from pathlib import Path
 
-    from tuner import gate, regress, space
+    from tuner import gate, regress
 
     monkeypatch.setattr(stack, "has_gpu", lambda: True)
     monkeypatch.setattr(stack, "current", lambda device=0: H200)
@@ -364,14 +371,10 @@ def test_fla_only_times_the_missing_baselines_and_judges_the_recorded_history_wi
         return real(candidate, **kwargs)
 
     monkeypatch.setattr(gate, "gate_and_time", gate_and_time)
-    small = Problem("decay", 64, 64, batch=1, seqlen=128, heads=2)
-    config = space.load("decay").default(small)
-    store = Store(tmp_path / "r.db")
-    digest = Candidate.from_config(small, config).digest
-    here = [store.write_winner(Winner(p, H200, digest, config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
-            for p in (small, small.at("1x256x2"))]
-    elsewhere = store.write_winner(Winner(small.at("1x512x2"), replace(H200, gpu="NVIDIA H100"), digest, config,
-                                          1.0, 0.9, 1.1, {}, "s", 0), "pass")
+    store, here = decay_winners_at_two_shapes(tmp_path)
+    small, first = here[0].problem, here[0]
+    elsewhere = store.write_winner(Winner(small.at("1x512x2"), replace(H200, gpu="NVIDIA H100"), first.digest,
+                                          first.config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
     history = {w.id: store.history(w.id) for w in here}
 
     outcomes = regress.time_fla(store, device=0, note=lambda _: None)
