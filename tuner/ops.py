@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from . import baseline, space
+from . import baseline
 from .errors import UserError
 from .inputs import check_layout, retention_log_decay
 from .lookup import best_config
@@ -46,8 +46,6 @@ class InputError(UserError, ValueError):
 def _check(variant: str, q, k, v, g, beta, initial_state, cu_seqlens=None) -> Problem:
     sequences = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     B, T, H, DK, DV = check_layout(variant, q, k, v, g, beta, initial_state, error=InputError, sequences=sequences)
-    if v.shape[2] != H and "packed" not in space.load(variant).params:
-        raise InputError(f"grouped value heads are not supported by tuner.ops for {variant} yet")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _DTYPES:
             raise InputError(f"{name} must be float16 or bfloat16, got {t.dtype}")
