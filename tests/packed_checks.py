@@ -18,7 +18,8 @@ from tuner.inputs import packed_lengths
 # Each variant's packed configs by name: the default packed one of each split ("default": pre_seq;
 # "chunked"), and one with every parameter of the split off its default ("all"; kda's "chunked-all"; gdn's
 # "chunked" sets the one parameter of its chunked split, block_dv_o). Several chunks per precompute block
-# pad the chunk index to whole blocks; kda's two stages need warp specialisation.
+# pad the chunk index to whole blocks and exclude kda's warp specialisation (so its "all" keeps one stage:
+# two need warp specialisation).
 PACKED = {"split": "pre_seq", "packed": True}
 CONFIGS = {
     "gdn": {
@@ -28,9 +29,8 @@ CONFIGS = {
     },
     "kda": {
         "default": PACKED,
-        "all": {**PACKED, "sub_chunk": 32, "block_dv": 32, "block_dk": 64, "num_stages": 2, "threads": 128,
-                "warp_specialized": True, "prepare_chunks": 2, "overlap": True, "solve": "doubling",
-                "system_in": "shared"},
+        "all": {**PACKED, "sub_chunk": 32, "block_dv": 32, "block_dk": 64, "threads": 128, "prepare_chunks": 2,
+                "overlap": True, "solve": "doubling", "system_in": "shared"},
         "chunked": {"split": "chunked", "packed": True},
         "chunked-all": {"split": "chunked", "packed": True, "chunk_size": 32, "sub_chunk": 32, "block_dv": 32,
                         "block_dv_o": 128, "block_dk": 64, "num_stages": 2, "threads": 128,

@@ -22,12 +22,14 @@ CHANNEL = ("gla", "kda")
 # (variant, split, the programs in launch order)
 SPLITS = [("gla", "fused", ["fused"]), ("gla", "pre_seq", ["prepare", "sequential"]), ("kda", "fused", ["fused"]),
           ("kda", "chunked", ["chunk_intra", "chunk_state", "chunk_o"]), ("kda", "pre_seq", ["prepare", "sequential"])]
-# gla and kda pre_seq with every parameter they have off its default (two stages need warp specialisation).
+# gla and kda pre_seq with every parameter they have off its default (two stages need warp specialisation,
+# which excludes kda's several chunks per precompute block: those have a config of their own).
 GLA_PRE_SEQ_ALL = {"split": "pre_seq", "chunk_size": 32, "sub_chunk": 16, "block_dv": 32, "block_dk": 64,
                    "num_stages": 2, "threads": 128, "warp_specialized": True}
 KDA_PRE_SEQ_ALL = {"split": "pre_seq", "sub_chunk": 32, "block_dv": 32, "block_dk": 64, "num_stages": 2,
-                   "threads": 128, "warp_specialized": True, "prepare_chunks": 2, "overlap": True,
-                   "solve": "doubling", "system_in": "shared"}
+                   "threads": 128, "warp_specialized": True, "overlap": True, "solve": "doubling",
+                   "system_in": "shared"}
+KDA_PRE_SEQ_BLOCKS = {"split": "pre_seq", "prepare_chunks": 2, "overlap": True, "solve": "doubling"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -43,6 +45,15 @@ def test_kda_declares_three_splits_and_pre_seq_keeps_no_q_or_w_tile():
         assert kda.active(name, {"split": "chunked"}) and not kda.active(name, {"split": "pre_seq"})
     for name in ("solve", "overlap", "prepare_chunks"):
         assert kda.active(name, {"split": "pre_seq"}) and not kda.active(name, {"split": "fused"})
+
+
+def test_kda_pre_seq_refuses_warp_specialisation_over_several_chunks_per_precompute_block_saying_why():
+    kda, problem = space.load("kda"), Problem("kda", 128, 128)
+    both = kda.complete(problem, {"split": "pre_seq", "prepare_chunks": 2, "warp_specialized": True})
+    with pytest.raises(ConstraintError, match="warp specialisation of the precompute kernel's loop over several chunks"):
+        Candidate.from_config(problem, both)
+    for alone in ({"prepare_chunks": 2}, {"warp_specialized": True, "num_stages": 2}):
+        Candidate.from_config(problem, kda.complete(problem, {"split": "pre_seq", **alone}))
 
 
 def test_gla_declares_both_splits_and_pre_seq_has_no_q_placement():
@@ -134,9 +145,9 @@ def test_sub_chunks_split_the_exponent(variant, split):
 @cuda
 @pytest.mark.parametrize("variant,overrides", [(v, {"split": s}) for v, s, _ in SPLITS]
                          + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
-                            ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL)],
+                            ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_BLOCKS)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
-                                                                   "kda-pre_seq-all"])
+                                                                   "kda-pre_seq-all", "kda-pre_seq-blocks"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
