@@ -12,6 +12,12 @@ rate measured on the H200. Prints a table and writes JSON; each row names the co
 
     FLA_DISABLE_BACKEND_DISPATCH=1 TRITON_CACHE_AUTOTUNING=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
 
+The variants of :data:`PACKED_VARIANTS` also get packed rows (``--packed TxHV``): sequences of the
+correctness gate's ``packed`` regime (``tuner.inputs.make_inputs``, a fixed seed, so every run times
+the same mix of lengths) packed into one row of T tokens (B = 1, ``cu_seqlens``), HV value heads (gdn's
+and kda's grouped two to a query/key head), one initial state per sequence; ours, FLA and the dispatch all get the same
+``cu_seqlens``. Their shape reads ``packed NxT H<H>/HV<HV>`` (N sequences), apart from the dense rows.
+
 FLA's kernels autotune on their first call at each shape (minutes for ``chunk_gla`` and
 ``chunk_kda``); ``TRITON_CACHE_AUTOTUNING=1`` keeps the choices in Triton's disk cache, so a later
 run on the same machine skips them. ``--merge`` puts a run's rows into an existing JSON in place of
@@ -30,12 +36,18 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 import torch  # noqa: E402
 
 from tuner import best_config, ops  # noqa: E402
-from tuner.bench import memory_floor_ms, time_forward  # noqa: E402
+from tuner.bench import H200_COPY_GBPS, memory_floor_ms, time_forward  # noqa: E402
 from tuner.inputs import make_inputs  # noqa: E402
 from tuner.problem import Problem, parse_shape  # noqa: E402
 from tuner.variants import VARIANTS  # noqa: E402
 
 SHAPES = ((4, 8192, 16), (1, 32768, 32), (16, 2048, 32))
+# Packed rows by default: (total tokens, value heads), the query/key heads half as many.
+PACKED_SHAPES = ((32768, 32),)
+# The variants whose tuner.ops take packed sequences (cu_seqlens; gdn and kda with grouped value heads).
+# Not linear: its second op, chunk_linear_attn with its default normalize, refuses them (the normaliser's
+# running sum would cross the sequences).
+PACKED_VARIANTS = ("decay", "simple_gla", "gla", "gdn", "kda")
 # What the dispatch may cost over the faster of the tuner's kernel and FLA's: timing noise, no more.
 DISPATCH_LIMIT = 1.02
 
@@ -56,8 +68,11 @@ def fla_ops():
 
 def op_calls(impl, variant: str, x: dict, **options) -> dict:
     """``variant``'s ops of ``impl`` (``tuner.ops`` or FLA's) on the inputs ``x``, by name; the first
-    is the anchor table's call, the one timed."""
+    is the anchor table's call, the one timed. Packed inputs (``cu_seqlens`` in ``x``) go in with their
+    ``cu_seqlens`` and initial states."""
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    if "cu_seqlens" in x:
+        options = {"initial_state": x["initial_state"], "cu_seqlens": x["cu_seqlens"], **options}
     return {
         "linear": {"chunk_simple_gla": lambda: impl.chunk_simple_gla(q, k, v, **options),
                    "chunk_linear_attn": lambda: impl.chunk_linear_attn(*positive_features(q, k), v, **options)},
@@ -90,12 +105,46 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def measure(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> dict:
+def dense_inputs(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> tuple[Problem, dict, dict]:
+    """The problem at ``shape`` (B, T, H), its inputs on the GPU and the start of its row."""
     B, T, H = shape
     problem = Problem(variant, dk, dk, dtype, B, T, H)
     x = make_inputs(problem, regime="default", seed=0, device="cuda")
-    row = {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": B, "seqlen": T, "heads": H,
-           "floor_ms": memory_floor_ms(problem)}
+    return problem, x, {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": B, "seqlen": T, "heads": H,
+                        "floor_ms": memory_floor_ms(problem)}
+
+
+def packed_inputs(variant: str, dk: int, dtype: str, shape: tuple[int, int]) -> tuple[Problem, dict, dict]:
+    """The packed problem at ``shape`` (total tokens T, value heads HV), its inputs and the start of its row.
+
+    The problem is ``1 x T x HV``, as ``tuner.ops`` looks packed calls up. The inputs are the gate's
+    ``packed`` regime at seed 0: the same lengths every run (``tuner.inputs.packed_lengths``), q and k
+    with HV / 2 heads, an initial state per sequence.
+    """
+    T, HV = shape
+    problem = Problem(variant, dk, dk, dtype, 1, T, HV)
+    x = make_inputs(problem, regime="packed", seed=0, device="cuda")
+    return problem, x, {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": 1, "seqlen": T, "heads": HV,
+                        "qk_heads": x["q"].shape[2], "sequences": x["cu_seqlens"].shape[0] - 1,
+                        "floor_ms": inputs_floor_ms(x)}
+
+
+def inputs_floor_ms(x: dict) -> float:
+    """The memory-bound floor of packed inputs, counted as ``memory_floor_ms`` counts (each input read
+    once, o and the final states written once, at the H200's copy rate) from the tensors themselves:
+    ``memory_floor_ms`` takes neither q and k with fewer heads than v nor one state per sequence.
+    cu_seqlens' few bytes are left out."""
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    read = sum(nbytes(x[name]) for name in ("q", "k", "v", "g", "beta", "initial_state") if x[name] is not None)
+    written = nbytes(x["v"]) + nbytes(x["initial_state"])  # o has v's shape and dtype, the final states the initial ones'
+    return (read + written) / (H200_COPY_GBPS * 1e9) * 1e3
+
+
+def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = False) -> dict:
+    """One row: ``shape`` is (B, T, H), or (T, HV) where ``packed``."""
+    problem, x, row = (packed_inputs if packed else dense_inputs)(variant, dk, dtype, shape)
     try:
         ours, fla = op_calls(ops, variant, x, backend="tuner"), op_calls(fla_ops(), variant, x)
         with_state = (op_calls(ops, variant, x, backend="tuner", output_final_state=True),
@@ -108,7 +157,8 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple[int, int, int]) -> d
         row["ours_ms"] = time_forward(ours).median_ms
         row["fla_ms"] = time_forward(fla).median_ms
         row["dispatch_ms"] = time_forward(dispatch).median_ms
-        row["dispatch_backend"] = best_config(variant, dk, dk, dtype, B, T, H, backend="auto").backend
+        row["dispatch_backend"] = best_config(variant, dk, dk, dtype, problem.batch, problem.seqlen, problem.heads,
+                                              backend="auto", packed=packed).backend
         row["ratio"] = row["ours_ms"] / row["fla_ms"]
         row["dispatch_vs_best"] = dispatch_vs_best(row)
         row["floor_fraction"] = row["floor_ms"] / row["ours_ms"]
@@ -128,60 +178,102 @@ def over_the_limit(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "error" in r or r["dispatch_vs_best"] > DISPATCH_LIMIT]
 
 
+def shape_label(row: dict) -> str:
+    """``BxTxH``, or ``packed NxT H<H>/HV<HV>`` for a packed row (N sequences of T tokens in all)."""
+    if "sequences" in row:
+        return f"packed {row['sequences']}x{row['seqlen']} H{row['qk_heads']}/HV{row['heads']}"
+    return f"{row['batch']}x{row['seqlen']}x{row['heads']}"
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'variant':<11}{'D':>4} {'B x T x H':<13}{'ours ms':>9}{'FLA ms':>9}{'ours/FLA':>9}{'dispatch':>9}"
+    head = (f"{'variant':<11}{'D':>4} {'shape':<26}{'ours ms':>9}{'FLA ms':>9}{'ours/FLA':>9}{'dispatch':>9}"
             f"{'disp/best':>10}  {'runs':<6}{'floor ms':>9}{'floor/ours':>11}{'relL2':>9}  tol")
     lines = [head, "-" * len(head)]
     for r in rows:
-        shape = f"{r['batch']}x{r['seqlen']}x{r['heads']}"
+        shape = shape_label(r)
         if "error" in r:
-            lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}  error: {r['error'][:80]}")
+            lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<26}  error: {r['error'][:80]}")
             continue
         # Rows measured before the dispatch column was added have none.
         dispatch = (f"{r['dispatch_ms']:>9.3f}{r['dispatch_vs_best']:>10.3f}  {r['dispatch_backend']:<6}"
                     if "dispatch_ms" in r else f"{'-':>9}{'-':>10}  {'-':<6}")
-        lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<13}{r['ours_ms']:>9.3f}{r['fla_ms']:>9.3f}"
+        lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<26}{r['ours_ms']:>9.3f}{r['fla_ms']:>9.3f}"
                      f"{r['ratio']:>9.2f}{dispatch}{r['floor_ms']:>9.3f}{r['floor_fraction']:>11.2f}"
                      f"{r['rel_l2_vs_fla']:>9.1e}  {'ok' if r['within_tolerance'] else 'OVER'}")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all")
     p.add_argument("--dk", type=int, action="append", help="head dims (default 128)")
     p.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
-    p.add_argument("--shape", action="append", help="BxTxH (default: the three anchor shapes)")
+    p.add_argument("--shape", action="append",
+                   help="BxTxH (default, with no --packed either: the three anchor shapes)")
+    p.add_argument("--packed", action="append", type=parse_packed, metavar="TxHV",
+                   help="packed sequences of T tokens in all with HV value heads, for "
+                        f"{', '.join(PACKED_VARIANTS)} (default, with no --shape either: "
+                        f"{', '.join(f'{t}x{hv}' for t, hv in PACKED_SHAPES)})")
     p.add_argument("--json", default="benchmarks/vs_fla.json", help="where to write the rows")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows already in --json, replacing those this run measures again")
     args = p.parse_args(argv)
+    if args.packed and not set(args.variant or VARIANTS) & set(PACKED_VARIANTS):
+        p.error(f"--packed is for {', '.join(PACKED_VARIANTS)}, none of the variants asked for")
+    return args
+
+
+def parse_packed(text: str) -> tuple[int, int]:
+    """``TxHV`` (e.g. ``32768x32``) as (total tokens, value heads)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a packed shape is TxHV with positive integers, e.g. 32768x32; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def planned(args: argparse.Namespace) -> list[tuple[str, int, tuple, bool]]:
+    """(variant, D, shape, packed) of each row to measure, in order. Without --shape and --packed: the
+    anchor shapes and :data:`PACKED_SHAPES`; with either, just what was asked. Packed rows are for
+    :data:`PACKED_VARIANTS` only."""
+    if args.shape or args.packed:
+        dense, packed = [parse_shape(s) for s in args.shape or ()], args.packed or []
+    else:
+        dense, packed = SHAPES, PACKED_SHAPES
+    rows = []
+    for variant in args.variant or VARIANTS:
+        for dk in args.dk or (128,):
+            rows += [(variant, dk, shape, False) for shape in dense]
+            if variant in PACKED_VARIANTS:
+                rows += [(variant, dk, shape, True) for shape in packed]
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("vs_fla: needs a CUDA GPU (and FLA installed)", file=sys.stderr)
         return 2
-    shapes = [parse_shape(s) for s in args.shape] if args.shape else SHAPES
     earlier = load_rows(args.json) if args.merge else []
     rows = []
     gpu, run = torch.cuda.get_device_name(), " ".join(["vs_fla.py", *(argv if argv is not None else sys.argv[1:])])
-    for variant in args.variant or VARIANTS:
-        for dk in args.dk or (128,):
-            for shape in shapes:
-                rows.append({**measure(variant, dk, args.dtype, shape), "gpu": gpu, "run": run})
-                print(json.dumps(rows[-1]), flush=True)
-                with open(args.json, "w") as f:  # after every row: a killed run keeps what it measured
-                    json.dump(merge(earlier, rows), f, indent=1)
+    for variant, dk, shape, packed in planned(args):
+        rows.append({**measure(variant, dk, args.dtype, shape, packed), "gpu": gpu, "run": run})
+        print(json.dumps(rows[-1]), flush=True)
+        with open(args.json, "w") as f:  # after every row: a killed run keeps what it measured
+            json.dump(merge(earlier, rows), f, indent=1)
     print(f"\n{gpu}, {args.dtype}, forward only; FLA with FLA_DISABLE_BACKEND_DISPATCH=1")
     print(table(rows))
     over = over_the_limit(rows)
     for r in over:
-        print(f"vs_fla: {r['variant']} D{r['dk']} {r['batch']}x{r['seqlen']}x{r['heads']}: "
+        print(f"vs_fla: {r['variant']} D{r['dk']} {shape_label(r)}: "
               + (r["error"] if "error" in r else f"the dispatch is {r['dispatch_vs_best']:.3f}x the faster of ours "
                  f"and FLA (limit {DISPATCH_LIMIT})"), file=sys.stderr)
     return 1 if over else 0
 
 
 def row_key(row: dict) -> tuple:
-    return row["variant"], row["dk"], row["dv"], row["dtype"], row["batch"], row["seqlen"], row["heads"]
+    # The shape's label, not B, T, H: a packed row is 1 x T x HV, as a dense row of that shape is.
+    return row["variant"], row["dk"], row["dv"], row["dtype"], shape_label(row)
 
 
 def merge(earlier: list[dict], new: list[dict]) -> list[dict]:
@@ -189,9 +281,8 @@ def merge(earlier: list[dict], new: list[dict]) -> list[dict]:
     table: D (larger first), shape (the anchor shapes first), variant (as the registry lists them)."""
     by_key = {row_key(r): r for r in earlier} | {row_key(r): r for r in new}
     order = {v: i for i, v in enumerate(VARIANTS)}
-    shapes = {s: i for i, s in enumerate(SHAPES)}
-    return sorted(by_key.values(), key=lambda r: (-r["dk"], shapes.get((r["batch"], r["seqlen"], r["heads"]), len(shapes)),
-                                                  order[r["variant"]]))
+    shapes = {f"{b}x{t}x{h}": i for i, (b, t, h) in enumerate(SHAPES)}
+    return sorted(by_key.values(), key=lambda r: (-r["dk"], shapes.get(shape_label(r), len(shapes)), order[r["variant"]]))
 
 
 def load_rows(path: str) -> list[dict]:

@@ -189,6 +189,17 @@ def test_a_malformed_vs_fla_is_a_one_line_error(tmp_path):
     assert "entry 0 lacks dk" in done.stderr
 
 
+def test_a_packed_vs_fla_row_is_not_shown_on_the_dense_problem_of_its_size():
+    from tuner.dashboard.site import fla_comparison
+
+    problem = Problem("gdn", 128, 128, "bf16", 1, 32768, 32)
+    dense = {**{k: getattr(problem, k) for k in ("variant", "dk", "dv", "dtype", "batch", "seqlen", "heads")},
+             "ours_ms": 1.0, "fla_ms": 2.0, "floor_ms": 0.5}
+    packed = {**dense, "qk_heads": 16, "sequences": 205}
+    assert fla_comparison([dense, packed], problem)["rows"] == [dense]
+    assert fla_comparison([dense, packed])["rows"] == [dense, packed]  # the index lists both
+
+
 def test_parameter_effects_rank_what_a_wrong_choice_costs():
     def timed(n, split, stages, ms):
         return TrialRecord("s", n, SLOW, {"split": split, "num_stages": stages}, "pass", H200,

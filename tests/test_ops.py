@@ -108,6 +108,41 @@ def test_errors_of_bad_packed_inputs_are_value_errors_as_fla_s(variant):
         _delta_rule(variant, B=2, cu_seqlens=torch.tensor([0, 3, 8]))
 
 
+def _without_delta(variant, B=1, T=8, H=2, K=64, **kwargs):
+    """The op of ``variant`` (one without the delta rule) on CPU inputs (fails, if at all, in its checks
+    before the CUDA one)."""
+    q, k, v = _qkv(B, T, H, K, K)
+    if variant == "linear":
+        return ops.chunk_linear_attn(q, k, v, normalize=False, **kwargs)
+    if variant == "decay":
+        return ops.chunk_retention(q, k, v, **kwargs)
+    if variant == "gla":
+        return ops.chunk_gla(q, k, v, torch.zeros(B, T, H, K), **kwargs)
+    return ops.chunk_simple_gla(q, k, v, torch.zeros(B, T, H), **kwargs)
+
+
+@pytest.mark.parametrize("variant", ["linear", "decay", "simple_gla", "gla"])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        pytest.param(dict(B=2, cu_seqlens=torch.tensor([0, 3, 8])), "batch size is expected to be 1", id="batch"),
+        pytest.param(dict(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(3, 2, 64, 64)),
+                     "equal to the number of input sequences", id="state-count"),
+        pytest.param(dict(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(2, 2, 64, 64)),
+                     "must be on a CUDA device", id="valid"),
+    ],
+)
+def test_the_ops_without_delta_take_packed_sequences_with_fla_s_errors(variant, arguments, message):
+    with pytest.raises(ops.InputError, match=message):
+        _without_delta(variant, **arguments)
+
+
+def test_linear_attention_refuses_the_normaliser_across_packed_sequences():
+    q, k, v = _qkv()
+    with pytest.raises(ops.InputError, match="needs normalize=False"):
+        ops.chunk_linear_attn(q, k, v, cu_seqlens=torch.tensor([0, 3, 8]))
+
+
 @needs_cuda
 @pytest.mark.parametrize(
     "variant, call",
@@ -209,6 +244,19 @@ def test_a_packed_kda_call_gives_fla_the_sequences_but_not_the_chunk_index_its_c
                   chunk_indices=torch.tensor([[0, 0], [1, 0]]))
     assert passed["cu_seqlens"] is cu_seqlens and passed["cu_seqlens_cpu"] is cu_seqlens_cpu
     assert "chunk_indices" not in passed  # FLA 0.6.0's chunk_kda would take it in **kwargs and ignore it
+
+
+@pytest.mark.parametrize("variant", ["linear", "decay", "simple_gla", "gla"])
+def test_a_packed_call_without_delta_gives_fla_the_sequences(variant, measured, fla_standin, monkeypatch):
+    measured(variant, 0.5)  # FLA faster and no packed winner: FLA runs the packed call
+    call, name = CALLS[variant]
+    x = cpu_inputs(variant)
+    x = dict(x, initial_state=torch.zeros(2, *x["initial_state"].shape[1:]))  # one per sequence
+    fla, passed = baseline.fla_ops(), {}
+    monkeypatch.setattr(fla, name, lambda *args, **kwargs: passed.update(kwargs) or (args[0], None))
+    cu_seqlens = torch.tensor([0, 3, x["q"].shape[1]])
+    call(ops, x, cu_seqlens=cu_seqlens)
+    assert passed["cu_seqlens"] is cu_seqlens
 
 
 def test_the_tuners_kernel_runs_where_it_is_faster_or_fla_is_absent_or_the_switch_says_so(measured, fla_standin,

@@ -3,13 +3,14 @@ config's ``packed``): the tests of both, each parametrized over the variant (its
 gdn's own; kda's own are in test_packed_kda.py.
 
 CPU: the packed kernels compile for sm_90a without spills or screen rejections, the model's shared memory
-exact; every load and store of a token tensor is masked at its sequence's end (no whole-tile copy, which
-would read or write across it); packed is set by the caller, never searched; the chunk index the host
-glue builds on the device matches one counted out sequence by sequence; the glue reads no tensor's values
-on the host. GPU (the ``cuda`` marker): the packed kernels against each sequence run alone through the
-dense kernels and against the fp64 oracle, FLA's chunk index against the one built on the device, grouped
-value heads against repeated query/key heads, the gate's packed regime, and ``tuner.ops`` with packed
-sequences: no host sync, no new compile for a new mix of lengths.
+exact; the fused split refuses packed, saying why; every load and store of a token tensor is masked at its
+sequence's end (no whole-tile copy, which would read or write across it); packed is set by the caller,
+never searched; the chunk index the host glue builds on the device matches one counted out sequence by
+sequence; the glue reads no tensor's values on the host. GPU (the ``cuda`` marker): the packed kernels
+against each sequence run alone through the dense kernels and against the fp64 oracle, FLA's chunk index
+against the one built on the device, grouped value heads against repeated query/key heads, the gate's
+packed regime, and ``tuner.ops`` with packed sequences: no host sync, no new compile for a new mix of
+lengths.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from template_checks import assert_compiles_clean, cuda, rendered_config
 
 from tuner import reference, space
 from tuner.inputs import PACKED_LENGTHS
+from tuner.candidate import Candidate
+from tuner.errors import ConstraintError
 from tuner.problem import Problem
 
 # Each variant's packed kernels per split (CONFIGS, its packed configs, are in packed_checks.py).
@@ -94,11 +97,18 @@ def test_packed_is_set_by_the_caller_and_never_searched(variant, split):
     assert variant_space.fix({"packed": "true"}).params["packed"].values == (True,)
 
 
-def test_gdns_dense_default_split_takes_packed_too_and_its_fused_split_has_none():
+def test_gdns_dense_default_split_takes_packed_too():
     gdn, problem = space.load("gdn"), Problem("gdn", 128, 128)
     assert gdn.normalise({**gdn.default(problem), "packed": True})["packed"] is True  # chunked has them too
-    # The fused split has no packed kernels yet: there the parameter does not apply.
-    assert "packed" not in gdn.normalise({**gdn.default(problem), "split": "fused", "packed": True})
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "linear", "decay", "simple_gla", "gla"])
+def test_the_fused_split_refuses_packed_saying_why(variant):
+    problem = Problem(variant, 128, 128)
+    config = space.load(variant).complete(problem, {"split": "fused", "packed": True})
+    assert config["packed"] is True  # stated, not dropped: a dense kernel would read packed rows as one batch
+    with pytest.raises(ConstraintError, match="the fused kernel has no packed form"):
+        Candidate.from_config(problem, config)
 
 
 @pytest.mark.parametrize("split", ["pre_seq", "chunked"])

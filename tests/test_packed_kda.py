@@ -3,7 +3,7 @@ what only kda has. The tests kda shares with gdn (compiling, masked token access
 the chunked glue, and every GPU test) are in test_packed.py, parametrized over the variant.
 
 CPU: the per-chunk decay GL is written per chunk slot under its sequence's guard and read at the slot of
-the sequence's first chunk; the fused split refuses packed, saying why, and the pre_seq split takes it;
+the sequence's first chunk; the pre_seq split takes packed;
 the pre_seq glue reads no tensor's values on the host and launches on the packed rows, GL per chunk slot;
 the chunked glue launches on the packed rows, g per value head and channel.
 """
@@ -17,8 +17,6 @@ from packed_checks import CONFIGS, counted_index, launched
 from template_checks import rendered_config
 
 from tuner import space
-from tuner.candidate import Candidate
-from tuner.errors import ConstraintError
 from tuner.inputs import PACKED_LENGTHS
 from tuner.problem import Problem
 
@@ -37,14 +35,6 @@ def test_gl_is_written_per_chunk_slot_and_read_at_the_slot_of_the_sequences_firs
     sequential = source[source.index("def sequential"):source.index("def programs")]
     assert "T.copy(GL[first + c, hv, :], gl_s)" in sequential and "ChunkStarts" in sequential
     assert "h = " not in sequential  # its operands are all per value head
-
-
-def test_the_fused_split_refuses_packed_saying_why():
-    problem = Problem("kda", 128, 128)
-    config = space.load("kda").complete(problem, {"split": "fused", "packed": True})
-    assert config["packed"] is True
-    with pytest.raises(ConstraintError, match="the fused kernel has no packed form"):
-        Candidate.from_config(problem, config)
 
 
 def test_the_pre_seq_split_takes_packed_too():

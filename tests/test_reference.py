@@ -64,6 +64,26 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("variant", [v for v in variants.VARIANTS if not variants.get(v).delta])
+@pytest.mark.parametrize("segments", [2, 3, 8])
+def test_the_segmented_split_agrees_with_recurrent(variant, segments):
+    """T = 100 in chunks of 16: 7 chunks, so 3 segments of 3, 3 and 1 chunks (the partial chunk in the
+    last) and 8 segments of one chunk each, the last empty."""
+    inputs = random_inputs(variant, 2, 100, 2, 16, 8, seed=3, initial_state=True)
+    o_ref, s_ref = run("recurrent", variant, inputs)
+    o, s = reference.kernel_mirror(variant, **inputs, output_final_state=True, chunk_size=16, block_dv=4,
+                                   segments=segments)
+    assert_close(f"segments={segments} o", o_ref, o)
+    assert_close(f"segments={segments} final_state", s_ref, s)
+
+
+@pytest.mark.parametrize("variant", [v for v in variants.VARIANTS if variants.get(v).delta])
+def test_the_delta_rule_has_no_segmented_split(variant):
+    inputs = random_inputs(variant, 1, 32, 1, 16, 8, seed=0, initial_state=False)
+    with pytest.raises(UserError, match="1 for the delta rule"):
+        reference.kernel_mirror(variant, **inputs, chunk_size=16, block_dv=4, segments=2)
+
+
 @pytest.mark.parametrize("variant", list(variants.VARIANTS))
 @pytest.mark.parametrize("B,T,H,K,V,C,h0", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])

@@ -30,6 +30,8 @@ KDA_PRE_SEQ_ALL = {"split": "pre_seq", "sub_chunk": 32, "block_dv": 32, "block_d
                    "threads": 128, "warp_specialized": True, "overlap": True, "solve": "doubling",
                    "system_in": "shared"}
 KDA_PRE_SEQ_BLOCKS = {"split": "pre_seq", "prepare_chunks": 2, "overlap": True, "solve": "doubling"}
+# gla segmented with every parameter it has off its default.
+GLA_SEGMENTED_ALL = {**GLA_PRE_SEQ_ALL, "split": "segmented", "segments": 8}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -56,10 +58,31 @@ def test_kda_pre_seq_refuses_warp_specialisation_over_several_chunks_per_precomp
         Candidate.from_config(problem, kda.complete(problem, {"split": "pre_seq", **alone}))
 
 
-def test_gla_declares_both_splits_and_pre_seq_has_no_q_placement():
+def test_gla_declares_three_splits_and_pre_seq_has_no_q_placement():
     gla = space.load("gla")
-    assert gla.params["split"].values == ("fused", "pre_seq")
+    assert gla.params["split"].values == ("fused", "pre_seq", "segmented")
     assert gla.active("qk_in", {"split": "fused"}) and not gla.active("qk_in", {"split": "pre_seq"})
+    assert gla.active("segments", {"split": "segmented"}) and not gla.active("segments", {"split": "pre_seq"})
+
+
+@pytest.mark.parametrize("dk,overrides", [(64, {}), (128, GLA_SEGMENTED_ALL)], ids=["default-64", "all-128"])
+def test_gla_segmented_compiles_clean_and_the_model_knows_its_shared_memory(dk, overrides, tmp_path):
+    rendered = rendered_config("gla", dk, **{"split": "segmented", **overrides})
+    report = assert_compiles_clean(rendered, ["prepare", "segment_state", "sequential"], tmp_path)
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+
+
+def test_gla_segmented_chains_the_per_channel_transitions_and_the_last_segment_writes_the_final_state():
+    sources = assert_every_value_changes_source("gla", 128, "segments", split="segmented")
+    source = sources[4]
+    pre_seq = rendered_config("gla", 128, split="pre_seq").source
+    # The precompute kernel is pre_seq's.
+    prepare = slice(source.index("def prepare"), source.index("def segment_state"))
+    assert source[prepare] == pre_seq[pre_seq.index("def prepare"):pre_seq.index("def sequential")]
+    assert "transition_s[k] *= gl_s[k]" in source
+    assert "S_f[k, d] = S_f[k, d] * GS[bb, bh, j, k] + SL[bb, bh, j, k, dv0 + d]" in source
+    assert "if seg == SEGMENTS - 1:\n                T.copy(S_f, HT[" in source
 
 
 @pytest.mark.parametrize("variant", CHANNEL)
@@ -145,14 +168,20 @@ def test_sub_chunks_split_the_exponent(variant, split):
 @cuda
 @pytest.mark.parametrize("variant,overrides", [(v, {"split": s}) for v, s, _ in SPLITS]
                          + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
-                            ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_BLOCKS)],
+                            ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_BLOCKS),
+                            ("gla", {"split": "segmented"}), ("gla", GLA_SEGMENTED_ALL)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
-                                                                   "kda-pre_seq-all", "kda-pre_seq-blocks"])
+                                                                   "kda-pre_seq-all", "kda-pre_seq-blocks",
+                                                                   "gla-segmented", "gla-segmented-all"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
     module, compiled = load_kernels(rendered)
     C = rendered.config["chunk_size"]
-    # Both gate regimes; a multiple of C and ragged tails; an initial state.
-    for regime, seqlen in (("channel_lb0.9", 4 * C), ("channel_free", 3 * C + 17), ("initial_state", 2 * C + 1)):
+    # Both gate regimes; a multiple of C and ragged tails; an initial state; where the sequence is split,
+    # segments of several chunks (and, with 8 segments at 4 chunks, empty ones).
+    cases = (("channel_lb0.9", 4 * C), ("channel_free", 3 * C + 17), ("initial_state", 2 * C + 1))
+    if overrides["split"] == "segmented":
+        cases += (("initial_state", 9 * C + 5),)
+    for regime, seqlen in cases:
         oracle_errors(module, compiled, rendered, regime, seqlen)

@@ -1,8 +1,9 @@
-"""The scalar-decay templates (linear, decay, simple_gla): defaults and the chunked split compile
-for sm_90a without spills (ptxas), placements change the generated code, constraints refuse before
-rendering (among them 16-column GEMMs on 256 threads, which TileLang refuses to compile), and on a
-GPU both splits (the chunked one also with an output kernel's own DV block) match the fp64 chunked
-oracle, tails and initial state included."""
+"""The scalar-decay templates (linear, decay, simple_gla): defaults, the chunked and the segmented
+split compile for sm_90a without spills (ptxas), placements and segment counts change the generated
+code, constraints refuse before rendering (among them 16-column GEMMs on 256 threads, which TileLang
+refuses to compile), and on a GPU every split (the chunked one also with an output kernel's own DV
+block, the segmented one with 4 and 8 segments) matches the fp64 chunked oracle, tails, empty segments
+and initial state included."""
 from __future__ import annotations
 
 import pytest
@@ -76,7 +77,7 @@ def test_sixteen_columns_on_256_threads_fail_to_compile_and_the_space_refuses_th
 @pytest.mark.parametrize("variant", SCALAR)
 def test_every_parameter_is_declared_with_doc(variant):
     sp = space.load(variant)
-    assert sp.params["split"].values == ("fused", "chunked")
+    assert sp.params["split"].values == ("fused", "chunked", "segmented")
     for p in sp.params.values():
         assert p.doc.strip(), f"{variant}.{p.name} has no doc"
 
@@ -90,16 +91,42 @@ def test_chunked_split_compiles_without_spills_and_the_model_knows_its_shared_me
     assert predicted == {k.name: k.dynamic_smem_bytes for k in report.kernels}
 
 
+@pytest.mark.parametrize("variant", SCALAR)
+@pytest.mark.parametrize("dk,overrides", [(64, {}), (128, {"segments": 8})])
+def test_segmented_split_compiles_without_spills_and_the_model_knows_its_shared_memory(variant, dk, overrides,
+                                                                                      tmp_path):
+    rendered = rendered_config(variant, dk, split="segmented", **overrides)
+    report = assert_compiles_clean(rendered, ["segment_state", "fused"], tmp_path)
+    predicted = {k.name: k.smem_bytes for k in rendered.prediction.per_kernel}
+    assert predicted == {k.name: k.dynamic_smem_bytes for k in report.kernels}
+
+
+@pytest.mark.parametrize("variant", SCALAR)
+def test_segments_change_the_code_and_the_segment_chain_carries_the_segments_decay(variant):
+    sources = assert_every_value_changes_source(variant, 128, "segments", split="segmented")
+    source = sources[4]
+    assert "SEGMENTS = 4" in source and "for j in T.serial(seg):" in source
+    chain = {"linear": "S_f[i, d] += SL[bb, bh, j, i, dv0 + d]",
+             "decay": "S_f[i, d] * T.exp2(lg * T.Cast(ACCUM, T.max(T.min(per_segment * C, S - j * per_segment * C), 0)))",
+             "simple_gla": "S_f[i, d] * T.exp2(GS[bb, bh, j] * LOG2E) + SL[bb, bh, j, i, dv0 + d]"}[variant]
+    assert chain in source
+    # Only the last segment's block writes the final state.
+    assert "if seg == SEGMENTS - 1:\n                T.copy(S_f, HT[" in source
+
+
 @cuda
 @pytest.mark.parametrize("variant", SCALAR)
 @pytest.mark.parametrize("dk", (64, 128))
 @pytest.mark.parametrize("overrides", ({"split": "fused"}, {"split": "chunked"},
-                                       {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
-                         ids=("fused", "chunked", "chunked-block_dv_o"))
+                                       {"split": "chunked", "block_dv": 32, "block_dv_o": 64},
+                                       {"split": "segmented"}, {"split": "segmented", "segments": 8}),
+                         ids=("fused", "chunked", "chunked-block_dv_o", "segmented", "segmented-8"))
 def test_forward_matches_fp64_oracle(variant, dk, overrides):
     rendered = rendered_config(variant, dk, **overrides)
     module, compiled = load_kernels(rendered)
     C = rendered.config["chunk_size"]
-    # One compile serves every length: a multiple of C, and a ragged tail, each with an initial state.
-    for seqlen in (4 * C, 3 * C + 17):
+    # One compile serves every length: a multiple of C, and a ragged tail, each with an initial state;
+    # segments of several chunks and empty trailing segments where the sequence is split.
+    seqlens = (4 * C, 3 * C + 17) + ((9 * C + 5,) if overrides["split"] == "segmented" else ())
+    for seqlen in seqlens:
         oracle_errors(module, compiled, rendered, "initial_state", seqlen)

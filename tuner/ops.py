@@ -12,15 +12,16 @@ is memoised with the config, once per problem, device and backend: a later call 
 environment variable and one dictionary entry.
 
 ``chunk_gated_delta_rule`` and ``chunk_kda`` take packed sequences (``cu_seqlens``, B = 1) and grouped
-value heads, as FLA does: the config is looked up by the total tokens and the value heads, so a new mix
-of lengths needs no new compile (the kernels take the lengths at run time), and no tensor's values are
-read on the host (no sync); the chunk index is built on the device unless ``chunk_indices`` is given.
+value heads, as FLA does, and ``chunk_linear_attn``, ``chunk_retention``, ``chunk_simple_gla`` (through
+their chunked split) and ``chunk_gla`` (its pre_seq split) packed sequences: the config is looked up by
+the total tokens and the value heads, so a new mix of lengths needs no new compile (the kernels take the
+lengths at run time), and no tensor's values are read on the host (no sync); the chunk index is built on
+the device unless ``chunk_indices`` is given.
 
 Inputs are checked the same whatever runs; forward only: these are inference kernels, an input that
-requires grad is refused. Not supported (a clear error instead): variable-length batches
-(``cu_seqlens``) of the other ops and FLA's in-kernel activations (``use_gate_in_kernel``,
-``use_beta_sigmoid_in_kernel``). The token-by-token ops (``tuner.decode``) always run the tuner's
-kernels.
+requires grad is refused. Not supported (a clear error instead): FLA's in-kernel activations
+(``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``). The token-by-token ops (``tuner.decode``)
+always run the tuner's kernels.
 """
 from __future__ import annotations
 
@@ -167,20 +168,27 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
             ``(kv_state, z_state)``, z_state [B, 1, H, K]. Default: None.
         output_final_state (bool): return the final state. Default: False.
         normalize (bool): divide each output by ``<scale q_t, sum_{s<=t} k_s>``. Default: True.
+        cu_seqlens (torch.Tensor): packed sequences, as for ``chunk_gated_delta_rule`` (one state per
+            sequence, [N, H, K, V]); not with ``normalize``, whose running sum of k would cross the
+            sequences' bounds. Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, H, V] and the final state (a tuple ``(kv_state, z_state)`` with ``normalize``), or None.
     """
-    _unsupported(cu_seqlens=cu_seqlens)
+    if normalize and cu_seqlens is not None:
+        raise InputError("chunk_linear_attn with cu_seqlens needs normalize=False: the normaliser's running sum "
+                         "of k would run across the packed sequences' bounds")
+    _check_sequences(q, initial_state, cu_seqlens, None, None)
     kv_init, z_init = initial_state if normalize and isinstance(initial_state, tuple) else (initial_state, None)
-    problem, fla, config = _route("linear", q, k, v, initial_state=kv_init, backend=backend)
+    problem, fla, config = _route("linear", q, k, v, initial_state=kv_init, backend=backend, cu_seqlens=cu_seqlens)
     if fla is not None:
         return fla.chunk_linear_attn(q, k, v, scale=scale, initial_state=initial_state,
-                                     output_final_state=output_final_state, normalize=normalize)
+                                     output_final_state=output_final_state, normalize=normalize,
+                                     **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
     o, final_state = _run(problem, config, q, k, v, scale=scale, initial_state=kv_init,
-                          output_final_state=output_final_state)
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if not normalize:
         return o, final_state
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -197,22 +205,26 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
 
     Args:
         q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
-        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [N, H, K, V], N = B or the
+            packed sequences. Default: None.
         output_final_state (bool): Default: False.
+        cu_seqlens (torch.Tensor): packed sequences, as for ``chunk_gated_delta_rule``. Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
-        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+        o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
-    _unsupported(cu_seqlens=cu_seqlens)
+    _check_sequences(q, initial_state, cu_seqlens, None, None)
     g = retention_log_decay(q.shape[2], q.device)
-    problem, fla, config = _route("decay", q, k, v, g, initial_state=initial_state, backend=backend)
+    problem, fla, config = _route("decay", q, k, v, g, initial_state=initial_state, backend=backend,
+                                  cu_seqlens=cu_seqlens)
     if fla is not None:
         return fla.chunk_retention(q, k, v, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state)
+                                   output_final_state=output_final_state,
+                                   **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
     return _run(problem, config, q, k, v, g=g, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state)
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
@@ -223,24 +235,29 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
         q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
         g (torch.Tensor): per-token log gate [B, T, H]. Default: None.
         g_gamma (torch.Tensor): per-head constant log decay [H]; only one of g, g_gamma. Default: None.
-        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [N, H, K, V], N = B or the
+            packed sequences. Default: None.
         output_final_state (bool): Default: False.
+        cu_seqlens (torch.Tensor): packed sequences, as for ``chunk_gated_delta_rule``. Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
-        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+        o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
-    _unsupported(state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+    _unsupported(state_v_first=state_v_first)
+    _check_sequences(q, initial_state, cu_seqlens, None, None)
     if g is not None and g_gamma is not None:
         raise InputError("give only one of g and g_gamma")
     variant, gate = ("simple_gla", g) if g is not None else ("decay", g_gamma) if g_gamma is not None else ("linear", None)
-    problem, fla, config = _route(variant, q, k, v, gate, initial_state=initial_state, backend=backend)
+    problem, fla, config = _route(variant, q, k, v, gate, initial_state=initial_state, backend=backend,
+                                  cu_seqlens=cu_seqlens)
     if fla is not None:
         return fla.chunk_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-                                    output_final_state=output_final_state)
+                                    output_final_state=output_final_state,
+                                    **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
     return _run(problem, config, q, k, v, g=gate, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state)
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
@@ -250,20 +267,25 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     Args:
         q, k (torch.Tensor): [B, T, H, K]. v (torch.Tensor): [B, T, H, V].
         g (torch.Tensor): per-channel log gate [B, T, H, K].
-        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [B, H, K, V]. Default: None.
+        scale (float): Default: K ** -0.5. initial_state (torch.Tensor): [N, H, K, V], N = B or the
+            packed sequences. Default: None.
         output_final_state (bool): Default: False.
+        cu_seqlens (torch.Tensor): packed sequences, as for ``chunk_gated_delta_rule``. Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
-        o [B, T, H, V], final state [B, H, K, V] fp32 or None.
+        o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
-    _unsupported(state_v_first=state_v_first, cu_seqlens=cu_seqlens)
-    problem, fla, config = _route("gla", q, k, v, g, initial_state=initial_state, backend=backend)
+    _unsupported(state_v_first=state_v_first)
+    _check_sequences(q, initial_state, cu_seqlens, None, None)
+    problem, fla, config = _route("gla", q, k, v, g, initial_state=initial_state, backend=backend,
+                                  cu_seqlens=cu_seqlens)
     if fla is not None:
-        return fla.chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+        return fla.chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                             **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
     return _run(problem, config, q, k, v, g=g, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state)
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -323,16 +323,24 @@ def _chunked(variant, q, k, v, g, beta, scale, initial_state, output_final_state
 
 
 def kernel_mirror(variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-                  chunk_size=64, sub_chunk=None, block_dv=32):
+                  chunk_size=64, sub_chunk=None, block_dv=32, segments=1):
     """The fused kernels' control flow in fp64: a block per (DV slice, batch*head),
     a chunk loop carrying the [DK, block_dv] state, GEMM-ised scores, and for the delta variants one
     forward substitution over ``[K exp(gamma) | V]`` with beta applied after the solve.
+
+    With ``segments`` > 1, the segmented split's (variants without the delta rule): the chunks are cut
+    into that many segments of ceil(chunks / segments) chunks (trailing ones may be empty); a state pass
+    gives every segment but the last its state from zero and its transition (the product of its chunks'
+    state decays); the block of segment s starts from the initial state carried through segments
+    0..s-1 (S = transition * S + local state) and walks its own chunks; the last one's state is the final
+    state.
 
     Args:
         variant, q, k, v, g, beta, scale, initial_state, output_final_state: as in :func:`recurrent`.
         chunk_size (int): tokens per chunk, C. T need not be a multiple of it. Default: 64.
         sub_chunk (int): per-channel variants: sub-chunk length dividing C. Default: None (C).
         block_dv (int): DV columns per block; must divide DV. Default: 32.
+        segments (int): sequence segments walked in parallel. Default: 1.
 
     Returns:
         o (torch.Tensor): outputs of shape [B, T, H, DV], float64.
@@ -344,17 +352,24 @@ def kernel_mirror(variant, q, k, v, g=None, beta=None, scale=None, initial_state
     DV = x.v.shape[-1]
     if not isinstance(block_dv, int) or block_dv < 1 or DV % block_dv:
         raise UserError(f"block_dv must be a positive divisor of DV={DV}, got {block_dv!r}")
+    if not isinstance(segments, int) or segments < 1 or (segments > 1 and x.delta):
+        raise UserError(f"segments must be a positive integer, and 1 for the delta rule (its segment transition "
+                        f"is no diagonal), got {segments!r} for {variant}")
     qc, kc, vc, gc = (_chunks(t, chunk_size) for t in (x.q, x.k, x.v, x.g))
     bc = _chunks(x.beta, chunk_size) if x.delta else None
     S0 = _initial(x)
     o = torch.empty_like(vc)
     final = torch.empty_like(S0)
+    per_segment = -(-qc.shape[2] // segments)
+    chunks_of = [range(s * per_segment, min((s + 1) * per_segment, qc.shape[2])) for s in range(segments)]
     for bv in range(DV // block_dv):  # grid.x
         dv = slice(bv * block_dv, (bv + 1) * block_dv)
         for bh in range(B * H):  # grid.y
             b, h = divmod(bh, H)
-            S = S0[b, h, :, dv]
-            for n in range(qc.shape[2]):  # the pipelined chunk loop
+
+            def step(S, n, write_o=True):
+                """Chunk n from the state S entering it: o (where asked) and the state leaving it, with the
+                chunk's state decay."""
                 q_n, k_n, v_n = qc[b, h, n], kc[b, h, n], vc[b, h, n, :, dv]
                 gam = gc[b, h, n].cumsum(dim=0)
                 A_qk, A_kk = _intra_chunk_scores(q_n, k_n, gam, x.per_channel, sub)
@@ -367,7 +382,24 @@ def kernel_mirror(variant, q, k, v, g=None, beta=None, scale=None, initial_state
                         X[r] = X[r] - L[r, :r] @ X[:r]
                     X = beta_n[:, None] * X  # beta after the solve
                     v_n = X[:, DK:] - X[:, :DK] @ S
-                o[b, h, n, :, dv] = q_read @ S + A_qk @ v_n
-                S = state_decay * S + k_write.T @ v_n
+                if write_o:
+                    o[b, h, n, :, dv] = q_read @ S + A_qk @ v_n
+                return state_decay * S + k_write.T @ v_n, state_decay
+
+            # The state pass: every segment but the last from a zero state, and its transition.
+            local, transition = [], []
+            for chunks in chunks_of[:-1]:
+                S, decay = torch.zeros_like(S0[b, h, :, dv]), torch.ones((), dtype=S0.dtype)
+                for n in chunks:
+                    S, state_decay = step(S, n, write_o=False)
+                    decay = state_decay * decay
+                local.append(S)
+                transition.append(decay)
+            for s, chunks in enumerate(chunks_of):  # a block per segment
+                S = S0[b, h, :, dv]
+                for j in range(s):
+                    S = transition[j] * S + local[j]
+                for n in chunks:  # the pipelined chunk loop
+                    S = step(S, n)[0]
             final[b, h, :, dv] = S
     return _finish(o.flatten(2, 3)[:, :, :T], final, output_final_state)

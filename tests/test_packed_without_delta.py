@@ -1,0 +1,121 @@
+"""Packed sequences in the variants without the delta rule (the config's ``packed``): the chunked split
+of linear, decay and simple_gla and gla's pre_seq split. Their fused splits' refusal of packed is tested
+with gdn's and kda's in test_packed.py.
+
+CPU: the packed kernels compile for sm_90a without spills or screen rejections, the model's shared memory
+exact; every token load and store is masked at its sequence's end, only the states (and gla's per-chunk
+decay) are copied as whole tiles; a packed call defaults to the split with packed kernels; the glue reads
+no tensor's values on the host and gives each sequence its states and its first chunk. GPU (skipped
+without CUDA): the packed output and final states against each sequence run alone through the dense
+kernels of the same split and against the fp64 oracle.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from packed_checks import (Launched, bounds_of, counted_index, module_of, refuse_host_reads, rel_l2,
+                           token_accesses)
+from template_checks import assert_compiles_clean, cuda, rendered_config
+
+from tuner import reference, space
+from tuner.inputs import make_inputs
+from tuner.problem import Problem
+
+VARIANTS = ("linear", "decay", "simple_gla", "gla")
+# The split with packed kernels (a packed call's default) and its kernels in launch order.
+SPLIT = {"linear": "chunked", "decay": "chunked", "simple_gla": "chunked", "gla": "pre_seq"}
+KERNELS = {"chunked": ["chunk_state", "chunk_o"], "pre_seq": ["prepare", "sequential"]}
+# The tensors copied as whole tiles, read row by row through the sequence-end mask, and written row by row.
+COPIED = {"chunked": {"H0", "HT", "Hs"}, "pre_seq": {"H0", "HT", "GL"}}
+READ = {"linear": {"Q", "K", "V"}, "decay": {"Q", "K", "V"}, "simple_gla": {"Q", "K", "V", "G"},
+        "gla": {"Q", "K", "G", "QG", "KG", "V", "AQK"}}
+WRITTEN = {"chunked": {"O"}, "pre_seq": {"QG", "KG", "AQK", "O"}}
+
+
+def packed(variant):
+    return {"split": SPLIT[variant], "packed": True}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_packed_kernels_compile_without_spills_and_the_model_knows_their_shared_memory(variant, tmp_path):
+    rendered = rendered_config(variant, 64, **packed(variant))
+    report = assert_compiles_clean(rendered, KERNELS[SPLIT[variant]], tmp_path)
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_token_load_and_store_is_masked_at_the_sequence_end(variant):
+    split = SPLIT[variant]
+    source = rendered_config(variant, 128, **packed(variant)).source
+    copied, read, written = token_accesses(source, KERNELS[split][0])
+    assert copied == COPIED[split]
+    assert read == READ[variant]
+    assert written == dict.fromkeys(WRITTEN[split], "if c * C + i < seqlen:")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_packed_call_defaults_to_the_split_with_packed_kernels_and_packed_is_never_searched(variant):
+    variant_space, problem = space.load(variant), Problem(variant, 128, 128)
+    assert not any(c.get("packed") for c in variant_space.grid())
+    default = variant_space.default(problem, {"packed": True})
+    assert default["split"] == SPLIT[variant] and default["packed"] is True
+
+
+def packed_inputs(variant, seed=0, device="cpu"):
+    """The gate's packed regime at DK = DV = 64: sequences of lengths 1, 15, 64, 65, 200 and a mix, 3 heads."""
+    return make_inputs(Problem(variant, 64, 64, "bf16"), "packed", seed=seed, device=device, seqlen=700, heads=3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_states_and_first_chunk(variant, monkeypatch,
+                                                                                                tmp_path):
+    module = module_of(rendered_config(variant, 64, **packed(variant)), tmp_path)
+    x = packed_inputs(variant)
+    lengths = torch.diff(x.pop("cu_seqlens")).tolist()
+    cu_seqlens = bounds_of(lengths, torch.int32)
+    x.pop("scale")
+    kernels = Launched()
+    with monkeypatch.context() as patch:
+        refuse_host_reads(patch)
+        o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
+    assert o.shape == (1, sum(lengths), 3, 64) and ht.shape == (len(lengths), 3, 64, 64)
+    split = SPLIT[variant]
+    # The kernel per sequence (chunked: the state pass; pre_seq: the sequential kernel) and the kernel per
+    # chunk slot, which takes the chunk index after the bounds.
+    if split == "chunked":
+        h0, per_chunk, _, bounds, starts = kernels.calls["chunk_state"][-5:]
+        chunks = kernels.calls["chunk_o"][-2]
+    else:
+        per_chunk, h0, bounds, starts = (kernels.calls["sequential"][i] for i in (3, 5, -3, -2))
+        chunks = kernels.calls["prepare"][-1]
+    assert torch.equal(h0, x["initial_state"]) and bounds.dtype == torch.int64
+    assert torch.equal(bounds, cu_seqlens.long())
+    index = [tuple(row) for row in chunks.tolist()]
+    assert index == counted_index(lengths, 64, 1) and per_chunk.shape[:2] == (len(index), 3)
+    # Sequence n's chunk c is slot starts[n] + c: where the kernel per sequence reads or writes chunk c's entry.
+    assert all(index[starts[n] + c] == (n, c) for n, c in index if n >= 0)
+
+
+@cuda
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(variant):
+    from tuner.compile import load_kernels
+
+    packed_module, packed_kernels = load_kernels(rendered_config(variant, 64, **packed(variant)))
+    dense_module, dense = load_kernels(rendered_config(variant, 64, split=SPLIT[variant]))
+    x = packed_inputs(variant, seed=1, device="cuda")
+    o, ht = packed_module.forward(packed_kernels, x["q"], x["k"], x["v"], g=x["g"], scale=x["scale"],
+                                  initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    o_ref, ht_ref = reference.chunked(variant, x["q"], x["k"], x["v"], g=x["g"], scale=x["scale"],
+                                      initial_state=x["initial_state"], output_final_state=True,
+                                      cu_seqlens=x["cu_seqlens"])
+    tolerance = Problem(variant, 64, 64).tolerance
+    assert rel_l2(o, o_ref) < tolerance and rel_l2(ht, ht_ref) < tolerance
+    bounds = x["cu_seqlens"].tolist()
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        g = x["g"] if x["g"] is None or x["g"].dim() == 1 else x["g"][:, start:end]  # decay's is per head
+        o_n, ht_n = dense_module.forward(dense, x["q"][:, start:end], x["k"][:, start:end], x["v"][:, start:end],
+                                         g=g, scale=x["scale"], initial_state=x["initial_state"][n:n + 1])
+        assert rel_l2(o[:, start:end], o_n) < tolerance, (n, end - start)
+        assert rel_l2(ht[n:n + 1], ht_n) < tolerance, (n, end - start)
