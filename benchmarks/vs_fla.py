@@ -15,8 +15,9 @@ rate measured on the H200. Prints a table and writes JSON; each row names the co
 The variants of :data:`PACKED_VARIANTS` also get packed rows (``--packed TxHV``): sequences of the
 correctness gate's ``packed`` regime (``tuner.inputs.make_inputs``, a fixed seed, so every run times
 the same mix of lengths) packed into one row of T tokens (B = 1, ``cu_seqlens``), HV value heads (gdn's
-and kda's grouped two to a query/key head), one initial state per sequence; ours, FLA and the dispatch all get the same
-``cu_seqlens``. Their shape reads ``packed NxT H<H>/HV<HV>`` (N sequences), apart from the dense rows.
+and kda's grouped two to a query/key head), one initial state per sequence; ours, FLA and the dispatch
+all get the same ``cu_seqlens``. Their shape reads ``packed NxT H<H>/HV<HV>`` (N sequences), apart from
+the dense rows.
 
 FLA's kernels autotune on their first call at each shape (minutes for ``chunk_gla`` and
 ``chunk_kda``); ``TRITON_CACHE_AUTOTUNING=1`` keeps the choices in Triton's disk cache, so a later
@@ -119,7 +120,8 @@ def packed_inputs(variant: str, dk: int, dtype: str, shape: tuple[int, int]) -> 
 
     The problem is ``1 x T x HV``, as ``tuner.ops`` looks packed calls up. The inputs are the gate's
     ``packed`` regime at seed 0: the same lengths every run (``tuner.inputs.packed_lengths``), q and k
-    with HV / 2 heads, an initial state per sequence.
+    with HV / 2 heads for gdn and kda (grouped value heads), HV for the others, an initial state per
+    sequence.
     """
     T, HV = shape
     problem = Problem(variant, dk, dk, dtype, 1, T, HV)
@@ -138,7 +140,8 @@ def inputs_floor_ms(x: dict) -> float:
         return t.numel() * t.element_size()
 
     read = sum(nbytes(x[name]) for name in ("q", "k", "v", "g", "beta", "initial_state") if x[name] is not None)
-    written = nbytes(x["v"]) + nbytes(x["initial_state"])  # o has v's shape and dtype, the final states the initial ones'
+    # o has v's shape and dtype, the final states the initial ones'.
+    written = nbytes(x["v"]) + nbytes(x["initial_state"])
     return (read + written) / (H200_COPY_GBPS * 1e9) * 1e3
 
 
@@ -282,7 +285,8 @@ def merge(earlier: list[dict], new: list[dict]) -> list[dict]:
     by_key = {row_key(r): r for r in earlier} | {row_key(r): r for r in new}
     order = {v: i for i, v in enumerate(VARIANTS)}
     shapes = {f"{b}x{t}x{h}": i for i, (b, t, h) in enumerate(SHAPES)}
-    return sorted(by_key.values(), key=lambda r: (-r["dk"], shapes.get(shape_label(r), len(shapes)), order[r["variant"]]))
+    return sorted(by_key.values(),
+                  key=lambda r: (-r["dk"], shapes.get(shape_label(r), len(shapes)), order[r["variant"]]))
 
 
 def load_rows(path: str) -> list[dict]:

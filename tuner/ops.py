@@ -185,8 +185,7 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
     problem, fla, config = _route("linear", q, k, v, initial_state=kv_init, backend=backend, cu_seqlens=cu_seqlens)
     if fla is not None:
         return fla.chunk_linear_attn(q, k, v, scale=scale, initial_state=initial_state,
-                                     output_final_state=output_final_state, normalize=normalize,
-                                     **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
+                                     output_final_state=output_final_state, normalize=normalize, cu_seqlens=cu_seqlens)
     o, final_state = _run(problem, config, q, k, v, scale=scale, initial_state=kv_init,
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if not normalize:
@@ -221,8 +220,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
                                   cu_seqlens=cu_seqlens)
     if fla is not None:
         return fla.chunk_retention(q, k, v, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state,
-                                   **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return _run(problem, config, q, k, v, g=g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
@@ -254,8 +252,7 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
                                   cu_seqlens=cu_seqlens)
     if fla is not None:
         return fla.chunk_simple_gla(q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-                                    output_final_state=output_final_state,
-                                    **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return _run(problem, config, q, k, v, g=gate, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
@@ -282,8 +279,8 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     problem, fla, config = _route("gla", q, k, v, g, initial_state=initial_state, backend=backend,
                                   cu_seqlens=cu_seqlens)
     if fla is not None:
-        return fla.chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                             **({} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}))
+        return fla.chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return _run(problem, config, q, k, v, g=g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
