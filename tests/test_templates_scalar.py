@@ -106,9 +106,9 @@ def test_segments_change_the_code_and_the_segment_chain_carries_the_segments_dec
     sources = assert_every_value_changes_source(variant, 128, "segments", split="segmented")
     source = sources[4]
     assert "SEGMENTS = 4" in source and "for j in T.serial(seg):" in source
-    chain = {"linear": "S_f[i, d] += SL[bb, bh, j, i, dv0 + d]",
-             "decay": "S_f[i, d] * T.exp2(lg * T.Cast(ACCUM, T.max(T.min(per_segment * C, S - j * per_segment * C), 0)))",
-             "simple_gla": "S_f[i, d] * T.exp2(GS[bb, bh, j] * LOG2E) + SL[bb, bh, j, i, dv0 + d]"}[variant]
+    chain = {"linear": "S_f[k, d] += SL[bb, bh, j, k, dv0 + d]",
+             "decay": "S_f[k, d] * T.exp2(lg * T.Cast(ACCUM, T.max(T.min(per_segment * C, S - j * per_segment * C), 0)))",
+             "simple_gla": "S_f[k, d] * T.exp2(GS[bb, bh, j] * LOG2E) + SL[bb, bh, j, k, dv0 + d]"}[variant]
     assert chain in source
     # Only the last segment's block writes the final state.
     assert "if seg == SEGMENTS - 1:\n                T.copy(S_f, HT[" in source

@@ -58,7 +58,7 @@ def _check(variant: str, q, k, v, g, beta, initial_state, cu_seqlens=None) -> Pr
     return Problem(variant, DK, DV, _DTYPES[q.dtype], B, T, v.shape[2])
 
 
-def _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices) -> None:
+def _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu=None, chunk_indices=None) -> None:
     """FLA's checks of packed sequences, on shapes, dtypes and devices (a device tensor's values would
     need a host sync): cu_seqlens_cpu's values are checked, being on the host already."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -180,7 +180,7 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
     if normalize and cu_seqlens is not None:
         raise InputError("chunk_linear_attn with cu_seqlens needs normalize=False: the normaliser's running sum "
                          "of k would run across the packed sequences' bounds")
-    _check_sequences(q, initial_state, cu_seqlens, None, None)
+    _check_sequences(q, initial_state, cu_seqlens)
     kv_init, z_init = initial_state if normalize and isinstance(initial_state, tuple) else (initial_state, None)
     problem, fla, config = _route("linear", q, k, v, initial_state=kv_init, backend=backend, cu_seqlens=cu_seqlens)
     if fla is not None:
@@ -214,7 +214,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
     Returns:
         o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
-    _check_sequences(q, initial_state, cu_seqlens, None, None)
+    _check_sequences(q, initial_state, cu_seqlens)
     g = retention_log_decay(q.shape[2], q.device)
     problem, fla, config = _route("decay", q, k, v, g, initial_state=initial_state, backend=backend,
                                   cu_seqlens=cu_seqlens)
@@ -244,7 +244,7 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
         o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
     _unsupported(state_v_first=state_v_first)
-    _check_sequences(q, initial_state, cu_seqlens, None, None)
+    _check_sequences(q, initial_state, cu_seqlens)
     if g is not None and g_gamma is not None:
         raise InputError("give only one of g and g_gamma")
     variant, gate = ("simple_gla", g) if g is not None else ("decay", g_gamma) if g_gamma is not None else ("linear", None)
@@ -275,7 +275,7 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
         o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
     _unsupported(state_v_first=state_v_first)
-    _check_sequences(q, initial_state, cu_seqlens, None, None)
+    _check_sequences(q, initial_state, cu_seqlens)
     problem, fla, config = _route("gla", q, k, v, g, initial_state=initial_state, backend=backend,
                                   cu_seqlens=cu_seqlens)
     if fla is not None:
