@@ -10,7 +10,7 @@ The dispatch column is its time over the faster of the other two, which must sta
 against the gate's tolerance) and the floor is the time to move the bytes that must move at the copy
 rate measured on the H200. Prints a table and writes JSON; each row names the command that measured it.
 
-    FLA_DISABLE_BACKEND_DISPATCH=1 TRITON_CACHE_AUTOTUNING=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
+    FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
 
 The variants of :data:`PACKED_VARIANTS` also get packed rows (``--packed TxHV``): sequences of the
 correctness gate's ``packed`` regime (``tuner.inputs.make_inputs``, a fixed seed, so every run times
@@ -19,9 +19,11 @@ and kda's grouped two to a query/key head), one initial state per sequence; ours
 all get the same ``cu_seqlens``. Their shape reads ``packed NxT H<H>/HV<HV>`` (N sequences), apart from
 the dense rows.
 
-FLA's kernels autotune on their first call at each shape (minutes for ``chunk_gla`` and
-``chunk_kda``); ``TRITON_CACHE_AUTOTUNING=1`` keeps the choices in Triton's disk cache, so a later
-run on the same machine skips them. ``--merge`` puts a run's rows into an existing JSON in place of
+FLA is timed autotuned at each row's shape, as its stored baselines are: before a row, FLA's kernels
+forget the configs they chose (``tuner.baseline.autotune_fla_afresh``; their autotune keys leave out
+batch and length, so they would run the configs of the first shape met), and the row's first FLA call
+autotunes (seconds to minutes for ``chunk_gla`` and ``chunk_kda``); the dispatch column, timed after it,
+runs FLA with the same configs. ``--merge`` puts a run's rows into an existing JSON in place of
 the rows of the same variant, D, dtype and shape, so the table can be measured over several runs.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 import torch  # noqa: E402
 
 from tuner import best_config, ops  # noqa: E402
+from tuner.baseline import autotune_fla_afresh  # noqa: E402
 from tuner.bench import H200_COPY_GBPS, memory_floor_ms, time_forward  # noqa: E402
 from tuner.inputs import make_inputs  # noqa: E402
 from tuner.problem import Problem, parse_shape  # noqa: E402
@@ -150,6 +153,7 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
     problem, x, row = (packed_inputs if packed else dense_inputs)(variant, dk, dtype, shape)
     try:
         ours, fla = op_calls(ops, variant, x, backend="tuner"), op_calls(fla_ops(), variant, x)
+        autotune_fla_afresh()
         with_state = (op_calls(ops, variant, x, backend="tuner", output_final_state=True),
                       op_calls(fla_ops(), variant, x, output_final_state=True))
         row["vs_fla"] = {name: compare(with_state[0][name], with_state[1][name], problem.tolerance) for name in ours}

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from tuner import baseline, gate, reference, variants
+from tuner import baseline, bench, gate, reference, variants
 from tuner.bench import memory_floor_ms
 from tuner.errors import UserError
 from tuner.inputs import make_inputs
@@ -76,6 +76,73 @@ def test_the_baseline_module_refuses_another_fla_version(fla_standin, monkeypatc
     x = make_inputs(SMALL, seqlen=16)
     with pytest.raises(ImportError, match=r"FLA 0.6.0\+standin is installed; this baseline was written for FLA 0.5.0"):
         module.forward({}, **x)
+
+
+def fake_triton(monkeypatch) -> types.SimpleNamespace:
+    """Triton's kernel wrappers as FLA's modules hold them, for a process without Triton: an autotuner
+    keeps its choices in ``cache`` (by autotune key) and ``cache_results`` says whether they go to disk."""
+    class KernelInterface:
+        def __init__(self, fn):
+            self.fn = fn
+
+    class Autotuner(KernelInterface):
+        def __init__(self, fn):
+            super().__init__(fn)
+            self.cache, self.cache_results = {("BT", 64): "config chosen at 4x8192x16"}, True
+
+    class Heuristics(KernelInterface):
+        pass
+
+    names = {"triton": types.ModuleType("triton"), "triton.runtime": types.ModuleType("triton.runtime"),
+             "triton.runtime.autotuner": types.ModuleType("triton.runtime.autotuner"),
+             "triton.runtime.jit": types.ModuleType("triton.runtime.jit")}
+    names["triton.runtime.autotuner"].Autotuner = Autotuner
+    names["triton.runtime.jit"].KernelInterface = KernelInterface
+    for name, module in names.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return types.SimpleNamespace(Autotuner=Autotuner, Heuristics=Heuristics, KernelInterface=KernelInterface)
+
+
+def test_fla_forgets_its_autotune_choices_in_every_wrapper_of_every_module_of_its_own(monkeypatch):
+    triton = fake_triton(monkeypatch)
+    state_pass = triton.Heuristics(triton.Autotuner(triton.KernelInterface(lambda: None)))  # heuristics(autotune(jit))
+    output = triton.Autotuner(triton.Heuristics(triton.KernelInterface(lambda: None)))      # autotune(heuristics(jit))
+    shared = triton.Autotuner(triton.KernelInterface(lambda: None))
+    elsewhere = triton.Autotuner(triton.KernelInterface(lambda: None))
+    not_a_kernel = types.SimpleNamespace(fn=triton.Autotuner(triton.KernelInterface(lambda: None)))
+    for name, attrs in {"fla.ops.common.chunk_h": dict(chunk_fwd_kernel_h=state_pass, imported=shared),
+                        "fla.ops.common.chunk_o": dict(chunk_fwd_kernel_o=output, imported=shared, hook=not_a_kernel),
+                        "not_fla.kernels": dict(kernel=elsewhere)}.items():
+        module = types.ModuleType(name)
+        vars(module).update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+
+    assert baseline.autotune_fla_afresh() == 3
+    for tuner in (state_pass.fn, output, shared):
+        assert (tuner.cache, tuner.cache_results) == ({}, False)
+    for tuner in (elsewhere, not_a_kernel.fn):  # not FLA's, or not reached through Triton's wrappers
+        assert (tuner.cache, tuner.cache_results) == ({("BT", 64): "config chosen at 4x8192x16"}, True)
+
+
+def test_without_triton_loaded_there_is_nothing_to_forget(monkeypatch):
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    assert baseline.autotune_fla_afresh() == 0
+
+
+def test_the_baseline_module_makes_fla_autotune_again_before_each_timing(fla_standin, monkeypatch):
+    calls = []
+    monkeypatch.setattr(baseline, "autotune_fla_afresh", lambda: calls.append(f"afresh, fla {'fla.ops' in sys.modules}"))
+    module = load(baseline.source("gdn", fla_standin))
+    forward = module.forward
+    module.forward = lambda *args, **kwargs: (calls.append("forward"), forward(*args, **kwargs))[1]
+    x = make_inputs(SMALL, seqlen=16)
+    module.forward({}, **x)
+    assert calls == ["forward"]  # the gate's calls leave FLA's choices alone
+    calls.clear()
+    bench.time_module(SMALL, module, {}, x, rep=2, warmup_ms=0)
+    bench.time_module(SMALL, module, {}, x, rep=2, warmup_ms=0)
+    # Before each timing's first call (its warm-up, which absorbs the autotune), with FLA imported.
+    assert calls == (["afresh, fla True"] + ["forward"] * 3) * 2
 
 
 def test_a_decode_kernel_has_no_baseline():

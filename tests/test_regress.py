@@ -11,9 +11,10 @@ import pytest
 
 from tuner import baseline, stack
 from tuner.candidate import Candidate
-from tuner.stack import Stack
+from tuner.bench import MIN_SHIFT
 from tuner.problem import Problem
-from tuner.regress import MIN_SHIFT, judge, judge_history, replay, versus_fla
+from tuner.stack import Stack
+from tuner.regress import judge, judge_history, replay, versus_fla
 from tuner.store import Baseline, Measurement, Store, Winner
 
 H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "12.8.93", "570.86.15", "2.13.0")
@@ -376,12 +377,15 @@ def test_fla_only_times_the_missing_baselines_and_judges_the_recorded_history_wi
     elsewhere = store.write_winner(Winner(small.at("1x512x2"), replace(H200, gpu="NVIDIA H100"), first.digest,
                                           first.config, 1.0, 0.9, 1.1, {}, "s", 0), "pass")
     history = {w.id: store.history(w.id) for w in here}
+    # Measured before FLA was autotuned at each shape timed: with the configs it chose elsewhere.
+    store.add_baseline(Baseline(small, H200, fla_standin, "pass", 0.5, 0.45, 0.55, measured_at=T0))
 
     outcomes = regress.time_fla(store, device=0, note=lambda _: None)
 
     assert timed == [(baseline.CONFIG, small.shape, ("1x256x2",))]  # FLA alone, one child for both shapes
     assert {w.id: store.history(w.id) for w in here} == history  # no winner re-timed
-    assert [b.problem for b in store.baselines()] == [w.problem for w in here]
+    assert [(b.problem, b.autotuned_at_shape) for b in store.baselines()] == [(small, False)] + [
+        (w.problem, True) for w in here]
     assert [o.versus.latest.fla.problem if o.versus else None for o in outcomes] == [w.problem for w in here] + [None]
     assert outcomes[-1].winner.id == elsewhere.id
 

@@ -248,3 +248,29 @@ def test_a_database_from_before_the_baselines_reads_as_having_none_and_gains_the
     assert {k: v for k, v in after.items() if k in schema} == schema  # no existing table changed
     assert set(after) - set(schema) == {"tuner_baselines"}
     assert len(Store(db, readonly=True).baselines()) == 1
+
+
+def test_baselines_from_before_fla_was_autotuned_at_their_shape_read_so_and_the_column_is_added_when_written(tmp_path):
+    db = tmp_path / "results.db"
+    store = Store(db)
+    store.add_baseline(fla_measured())
+    store.close()
+    with sqlite3.connect(db) as con:  # the table as it was written before the column existed
+        con.execute("ALTER TABLE tuner_baselines DROP COLUMN autotuned_at_shape")
+        schema = dict(con.execute("SELECT name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+    before = digest_of(db)
+    reader = Store(db, readonly=True)
+    (old,) = reader.baselines()
+    assert old.autotuned_at_shape is False and old.median_ms == 0.8
+    assert reader.baselines(seqlen=8192) == [old]
+    reader.close()
+    assert digest_of(db) == before  # a reader changes nothing
+    writer = Store(db)
+    writer.add_baseline(fla_measured(median_ms=0.5, autotuned_at_shape=True))
+    assert [(b.median_ms, b.autotuned_at_shape) for b in Store(db, readonly=True).baselines()] == [(0.8, False),
+                                                                                                  (0.5, True)]
+    with sqlite3.connect(db) as con:
+        after = dict(con.execute("SELECT name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+    assert {k: v for k, v in after.items() if k != "tuner_baselines"} == {k: v for k, v in schema.items()
+                                                                          if k != "tuner_baselines"}
+    assert "autotuned_at_shape BOOLEAN NOT NULL DEFAULT 0" in after["tuner_baselines"]

@@ -6,8 +6,9 @@ initial_state) -> (o, final_state)``), wrapped in a :class:`~tuner.candidate.Can
 config :data:`CONFIG`: the gate's child checks it against the fp64 oracle and times it exactly as it
 does the tuner's kernels. The module imports FLA on its first call, with
 ``FLA_DISABLE_BACKEND_DISPATCH=1`` (FLA's own Triton kernels), and refuses another FLA version than
-the one it was written for; FLA autotunes on the first call at each shape, which the timing's
-warm-up call absorbs.
+the one it was written for. FLA is timed autotuned at the shape timed: its ``before_timing`` makes
+FLA's kernels autotune again (:func:`autotune_fla_afresh` says why), and the timing's warm-up call
+absorbs the autotune.
 
 FLA is an optional dependency (``pip install 'linattn-tuner[fla]'``): nothing here imports it; the
 baseline module does in the gate's child, and :func:`fla_ops` does where ``tuner.ops`` runs FLA.
@@ -22,6 +23,7 @@ import functools
 import importlib
 import importlib.metadata
 import os
+import sys
 
 from . import variants
 from .candidate import Candidate
@@ -82,6 +84,43 @@ def fla_ops():
         raise FlaUnavailable(f"FLA cannot be imported ({e}); install it with {INSTALL}") from None
 
 
+def autotune_fla_afresh() -> int:
+    """Make every Triton kernel of the imported FLA modules autotune again on its next call: the
+    configs chosen so far are forgotten, and Triton's disk cache of autotune results is switched off
+    for them.
+
+    FLA's autotune keys leave out the batch and the sequence length (its state pass keys on chunk size,
+    head dims and gate flags only), and FLA keeps the choices on disk by default, so without this FLA
+    runs every shape with the configs chosen at the first shape it met on the machine: chunk_simple_gla
+    (D=64, 4x8192x16, H200) took 0.28 ms in a run that autotuned there, 0.51 ms in one that had
+    autotuned at 1x32768x32 first. After
+    this call FLA runs at its best at the shape it is called at next, as in a process that only ever
+    runs that shape.
+
+    Returns:
+        int: the autotuners reset.
+    """
+    if "triton" not in sys.modules:  # FLA's kernels are Triton's: none has been loaded
+        return 0
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    loaded = [m for name, m in list(sys.modules.items()) if m is not None and (name == "fla" or name.startswith("fla."))]
+
+    reset = {}
+    for module in loaded:
+        for obj in list(vars(module).values()):
+            # triton.heuristics and triton.autotune wrap one another (and the jitted function) through .fn
+            while isinstance(obj, KernelInterface):
+                if isinstance(obj, Autotuner):
+                    reset[id(obj)] = obj
+                obj = getattr(obj, "fn", None)
+    for tuner in reset.values():
+        tuner.cache.clear()
+        tuner.cache_results = False
+    return len(reset)
+
+
 def has_baseline(variant: str) -> bool:
     """Whether FLA runs ``variant``'s forward: the chunk variants. The decode kernels are timed as an
     in-place step on a state pool, a form FLA's ``fused_recurrent_*`` ops do not take."""
@@ -130,6 +169,14 @@ def _fla_ops():
     if fla.__version__ != FLA_VERSION:
         raise ImportError(f"FLA {{fla.__version__}} is installed; this baseline was written for FLA {{FLA_VERSION}}")
     return fla.ops
+
+
+def before_timing():
+    # FLA's autotune keys leave out batch and length: autotune again at the shape timed next.
+    _fla_ops()
+    from tuner.baseline import autotune_fla_afresh
+
+    autotune_fla_afresh()
 
 
 def forward(kernels, q, k, v, g=None, beta=None, scale=None, initial_state=None):

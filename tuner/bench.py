@@ -44,6 +44,22 @@ class Timing:
         return asdict(self)
 
 
+# Smallest relative change of the median that counts, however tight the bands are.
+MIN_SHIFT = 0.03
+
+
+def change_beyond_noise(m, ref) -> str:
+    """The noise rule: ``m`` against ``ref`` (each with ``median_ms``, ``p10_ms``, ``p90_ms``) is
+    ``"slower"`` when its band lies wholly above ``ref``'s (``p10 > ref p90``) and its median is more
+    than :data:`MIN_SHIFT` above, ``"faster"`` in the mirror case, else ``"within"`` the noise."""
+    shift = m.median_ms / ref.median_ms - 1
+    if m.p10_ms > ref.p90_ms and shift > MIN_SHIFT:
+        return "slower"
+    if m.p90_ms < ref.p10_ms and shift < -MIN_SHIFT:
+        return "faster"
+    return "within"
+
+
 def time_forward(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep: int = 100, flush_l2: bool = True,
                  device: str | torch.device | None = None) -> Timing:
     """Time ``fn()`` (one kernel call, or the host glue that launches several).
@@ -148,7 +164,12 @@ def time_module(problem: Problem, module, kernels: dict, x: dict, **timing) -> d
         module, kernels: the generated module and its compiled programs (``tuner.compile``).
         x (dict): ``tuner.inputs.make_inputs`` for the problem.
         **timing: keyword arguments of :func:`time_forward`.
+
+    A module's ``before_timing()``, where it has one, is called first (FLA's baseline module makes FLA
+    autotune at this shape there).
     """
+    if hasattr(module, "before_timing"):
+        module.before_timing()
     if problem.spec.recurrence_of:
         # A decode kernel is timed as a decode step: its states updated in place in a pool, buffers
         # made once; the step reads and writes every state.

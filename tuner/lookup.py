@@ -15,10 +15,11 @@ listed in :attr:`Lookup.skipped`, never used silently.
 
 The backend (``backend=``, else ``$LINATTN_BACKEND``, else ``auto``; :mod:`tuner.baseline`): in
 ``auto``, the answer is FLA (source ``fla``) when FLA is installed and the stored FLA baseline the
-winner is compared with passed the gate and is faster than it. That baseline was measured on the
-winner's GPU model at the winner's shape bucket, like with like (the installed FLA version first,
-then this driver, then the newest measurement; a newer measurement that failed the gate rules FLA
-out). Without a winner (none stored, or all stale), FLA is the answer when a baseline of this GPU
+winner is compared with passed the gate and is faster than it beyond the noise (``tuner.bench``'s
+rule, by which ``tune regress`` judges; within the noise the tuner's kernel runs). That baseline was
+measured on the winner's GPU model at the winner's shape bucket, like with like (FLA autotuned at
+that shape first, then the installed FLA version, then this driver, then the newest measurement; a
+newer measurement that failed the gate rules FLA out). Without a winner (none stored, or all stale), FLA is the answer when a baseline of this GPU
 model (else of its architecture) passed the gate: the template's default was never timed, FLA was.
 ``fla`` forces FLA, ``tuner`` the tuner's kernel. The decode kernels have no FLA baseline: their
 answer is always the tuner's. :attr:`Lookup.config` is the tuner's config in every case.
@@ -33,7 +34,7 @@ import os
 import warnings
 from dataclasses import dataclass, replace
 
-from . import baseline, space as spaces, stack
+from . import baseline, bench, space as spaces, stack
 from .stack import NONE, Stack
 from .errors import UserError
 from .paths import DB_ENV, SHIPPED_DB, user_db
@@ -160,8 +161,17 @@ def _lookup(problem: Problem, env: Stack, files: tuple, backend: str, fla_versio
         return found
     compared = _compared_baseline(found.row, env, want, baselines, fla_version)
     fla = backend == "fla" or (backend == "auto" and fla_version is not None and compared is not None
-                               and compared.timed and (found.row is None or compared.median_ms < found.row.median_ms))
+                               and compared.timed and (found.row is None or _beats(compared, found.row)))
     return replace(found, source="fla" if fla else found.source, baseline=compared)
+
+
+def _beats(fla: Baseline, row: Winner) -> bool:
+    """Whether FLA's measurement is faster than the winner's beyond the noise (``tuner.bench``'s rule,
+    the one ``tune regress`` judges by). Within the noise the tuner's kernel runs: FLA's times spread
+    wider (its autotune), and its host path is longer."""
+    if None in (fla.p10_ms, fla.p90_ms, row.p10_ms, row.p90_ms):
+        return fla.median_ms < row.median_ms
+    return bench.change_beyond_noise(fla, row) == "faster"
 
 
 def _tuners_config(problem: Problem, env: Stack, want: ShapeBucket, files: tuple,
@@ -203,8 +213,9 @@ def _compared_baseline(row: Winner | None, env: Stack, want: ShapeBucket, baseli
                   [b for b in baselines if b.stack.arch == env.arch != NONE]]
     group = next((g for g in groups if g), [])
 
-    def rank(b: Baseline):  # nearest bucket, the installed FLA, this driver, then the newest
-        return (-b.bucket.distance(want), b.fla_version == fla_version, b.stack.driver == env.driver, b.measured_at)
+    def rank(b: Baseline):  # nearest bucket, FLA autotuned there, the installed FLA, this driver, the newest
+        return (-b.bucket.distance(want), b.autotuned_at_shape, b.fla_version == fla_version,
+                b.stack.driver == env.driver, b.measured_at)
 
     return max(group, key=rank, default=None)
 

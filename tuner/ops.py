@@ -40,6 +40,13 @@ from .candidate import Candidate
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+@functools.lru_cache(maxsize=64)
+def _retention_decay(heads: int, device: torch.device) -> torch.Tensor:
+    # Made once per head count and device: made per call, it put four small kernels before the op's
+    # own (only read, so one tensor serves every call).
+    return retention_log_decay(heads, device)
+
+
 class InputError(UserError, ValueError):
     """Inputs of the wrong shape, dtype or device for an op."""
 
@@ -215,7 +222,7 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
         o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
     _check_sequences(q, initial_state, cu_seqlens)
-    g = retention_log_decay(q.shape[2], q.device)
+    g = _retention_decay(q.shape[2], q.device)
     problem, fla, config = _route("decay", q, k, v, g, initial_state=initial_state, backend=backend,
                                   cu_seqlens=cu_seqlens)
     if fla is not None:

@@ -11,7 +11,7 @@ Every measurement carries its own spread, the 10th and 90th percentile of its re
 
 - **failed** when it did not pass the gate;
 - **regressed** when its band lies wholly above the reference's (``p10 > reference p90``) *and* its
-  median is more than :data:`MIN_SHIFT` above the reference's: the spread says the change is not
+  median is more than :data:`tuner.bench.MIN_SHIFT` above the reference's: the spread says the change is not
   noise, the floor keeps a very tight band from flagging a shift nobody would act on;
 - **improved** in the mirror case, **steady** otherwise, and **first** without a reference.
 
@@ -31,13 +31,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from . import baseline, gate, limits, stack, variants
+from . import baseline, bench, gate, limits, stack, variants
 from .errors import UserError
 from .problem import Problem
 from .store import Baseline, Measurement, Store, Winner
 
-# Smallest relative change of the median that is flagged, however tight the bands are.
-MIN_SHIFT = 0.03
 VERDICTS = ("failed", "regressed", "improved", "steady", "first")
 FLAGGED = ("failed", "regressed")
 
@@ -102,11 +100,7 @@ def compare(m, ref) -> tuple[str, str]:
     shift = m.median_ms / ref.median_ms - 1
     numbers = (f"median {m.median_ms:.4g} ms [p10 {m.p10_ms:.4g}, p90 {m.p90_ms:.4g}] against "
                f"{ref.median_ms:.4g} ms [p10 {ref.p10_ms:.4g}, p90 {ref.p90_ms:.4g}] ({shift:+.1%})")
-    if m.p10_ms > ref.p90_ms and shift > MIN_SHIFT:
-        return "slower", numbers
-    if m.p90_ms < ref.p10_ms and shift < -MIN_SHIFT:
-        return "faster", numbers
-    return "within", numbers
+    return bench.change_beyond_noise(m, ref), numbers
 
 
 def judge(measurement: Measurement, previous: Iterable[Measurement]) -> Verdict:

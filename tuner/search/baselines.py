@@ -41,16 +41,19 @@ def record_baselines(problems: Iterable[Problem], store: Store, env: Stack, gate
         result = gate(baseline.candidate(first, version), timeout_s=limits.BASELINE_S, device=device, **also_at)
         for p in (first, *others):
             status, timing, failure = outcome_at(result, p.shape, first.shape)
+            # The baseline module autotunes FLA at each shape before timing it (its before_timing).
             recorded.append(store.add_baseline(Baseline(
                 p, env, version, status, timing.get("median_ms"), timing.get("p10_ms"), timing.get("p90_ms"),
-                timing.get("floor_ms"), result.errors, failure or result.message)))
+                timing.get("floor_ms"), result.errors, failure or result.message, autotuned_at_shape=True)))
     return recorded
 
 
 def time_missing_baselines(problems: list[Problem], store: Store, env: Stack, gate: Callable | None, device: int,
                            note: Callable[[str], None]) -> list[Baseline]:
     """In a tuning run: FLA's op at each of ``problems`` (one kernel problem at several shapes) not yet
-    measured on this stack with the installed FLA; ``note`` is told why none is timed.
+    measured on this stack with the installed FLA autotuned at that shape (a measurement made before
+    the baselines were, with the configs FLA had chosen at another shape, is made again); ``note`` is
+    told why none is timed.
 
     Returns:
         list[Baseline]: the rows recorded (none when every shape was measured already).
@@ -68,7 +71,8 @@ def time_missing_baselines(problems: list[Problem], store: Store, env: Stack, ga
         return []
     same = {field: getattr(env, field) for field in baseline.IDENTITY}
     measured = {b.problem for b in store.baselines(variant=problem.variant, dk=problem.dk, dv=problem.dv,
-                                                   dtype=problem.dtype, fla_version=version, **same)}
+                                                   dtype=problem.dtype, fla_version=version,
+                                                   autotuned_at_shape=True, **same)}
     missing = [p for p in problems if p not in measured]
     if missing:
         note(f"timing FLA {version}'s {baseline.fla_call(problem.variant)[0]} at "

@@ -114,14 +114,15 @@ class Store:
             self.url = os.fspath(path_or_url)
             self._engine = sa.create_engine(self.url, pool_pre_ping=True)
         if readonly:
-            # What is there to read: a database written before a table existed lacks it.
-            self._tables = set(self._retrying(lambda: sa.inspect(self._engine).get_table_names()))
+            # What is there to read: a database written before a table or a column existed lacks it.
+            self._columns = self._retrying(self._columns_in_file)
         else:
             if self.path is not None:
                 self._retrying(self._check_writable)
             with self.schema_lock():
                 self._retrying(lambda: Base.metadata.create_all(self._engine))
-            self._tables = set(Base.metadata.tables)
+                self._retrying(self._add_new_columns)
+            self._columns = {name: set(table.columns.keys()) for name, table in Base.metadata.tables.items()}
 
     def _sqlite_engine(self) -> sa.Engine:
         # SQLite's own busy handler waits up to a second per attempt; _retrying() retries with
@@ -152,6 +153,25 @@ class Store:
             conn.exec_driver_sql(begin)
 
         return engine
+
+    def _columns_in_file(self) -> dict[str, set[str]]:
+        """Our tables in the database and the columns each has there."""
+        inspector = sa.inspect(self._engine)
+        return {name: {c["name"] for c in inspector.get_columns(name)}
+                for name in inspector.get_table_names() if name in Base.metadata.tables}
+
+    def _add_new_columns(self) -> None:
+        """Add to a table written by an earlier version the columns added since (each has a server
+        default, which the rows already there take)."""
+        present = self._columns_in_file()
+        with self._engine.begin() as conn:
+            for name, table in Base.metadata.tables.items():
+                for column in table.columns:
+                    if column.name not in present[name]:
+                        type_ = column.type.compile(dialect=self._engine.dialect)
+                        default = column.server_default.arg.compile(dialect=self._engine.dialect)
+                        conn.exec_driver_sql(f'ALTER TABLE {name} ADD COLUMN {column.name} {type_} '
+                                             f'NOT NULL DEFAULT {default}')
 
     def _check_writable(self) -> None:
         """Refuse a file this process may read but not write, before any work is done for it.
@@ -242,7 +262,16 @@ class Store:
         self._engine.dispose()
 
     def _has(self, model) -> bool:
-        return model.__tablename__ in self._tables
+        return model.__tablename__ in self._columns
+
+    def _rows(self, model, *, where: dict, order_by: tuple) -> Callable[[Session], list]:
+        """A read of ``model``'s rows for :func:`record_of`: a column that an older file lacks
+        (read-only, so it was not added) reads as its default."""
+        present = self._columns[model.__tablename__]
+        columns = [c if c.name in present else sa.literal(c.default.arg, c.type).label(c.name)
+                   for c in model.__table__.columns]
+        query = sa.select(*columns).filter_by(**where).order_by(*order_by)
+        return lambda s: list(s.execute(query))
 
     def _append(self, model, record: T) -> T:
         """``record`` inserted as a new row of ``model``; returned with its id."""
@@ -359,8 +388,8 @@ class Store:
         """Measurements of FLA's op whose columns equal ``where`` (e.g. ``variant="gdn", gpu=...``), oldest first."""
         if not self._has(BaselineModel):
             return []
-        query = sa.select(BaselineModel).filter_by(**where).order_by(BaselineModel.measured_at, BaselineModel.id)
-        return self.run(lambda s: [record_of(Baseline, r) for r in s.scalars(query)])
+        read = self._rows(BaselineModel, where=where, order_by=(BaselineModel.measured_at, BaselineModel.id))
+        return [record_of(Baseline, r) for r in self.run(read)]
 
     # ---- calibration
 

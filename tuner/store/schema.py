@@ -133,6 +133,8 @@ class BaselineModel(_ProblemColumns, _StackColumns, Base):
     gate_errors: Mapped[dict | None]
     message: Mapped[str] = mapped_column(sa.Text, default="")
     measured_at: Mapped[datetime]
+    # Added after the table: rows written before it read False (Store adds the column to older files).
+    autotuned_at_shape: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
 
 
 class ClaimModel(Base):
