@@ -2,8 +2,8 @@
 split compile for sm_90a without spills (ptxas), placements and segment counts change the generated
 code, constraints refuse before rendering (among them 16-column GEMMs on 256 threads, which TileLang
 refuses to compile), and on a GPU every split (the chunked one also with an output kernel's own DV
-block, the segmented one with 4 and 8 segments) matches the fp64 chunked oracle, tails, empty segments
-and initial state included."""
+block, the segmented one with 4 and 8 segments; decay's and simple_gla's with row weights too)
+matches the fp64 chunked oracle, tails, empty segments and initial state included."""
 from __future__ import annotations
 
 import pytest
@@ -36,12 +36,27 @@ def test_default_compiles_without_spills(variant, dk, dtype, tmp_path):
     ("decay_in", "inline", "A[i, j] = T.if_then_else(j <= i, A[i, j] * T.exp2("),
     ("scores_in", "fragment", "A_cast = T.alloc_fragment([C, C], DTYPE)"),
     ("scores_in", "shared", "A_cast = T.alloc_shared([C, C], DTYPE)"),
+    ("qk_in", "rows", "acc_o[i, d] *= wq_s[i]"),
 ])
 def test_each_placement_emits_its_own_code(variant, param, value, needle):
     source = assert_every_value_changes_source(variant, 64, param)[value]
     assert needle in source
     if param == "decay_in" and value == "inline":
         assert "Gam" not in source
+    if value == "rows":  # no weighted copies: Q and K go to the products as loaded, V's rows are weighted
+        assert "Qw" not in source and "Kw" not in source
+        assert "T.gemm(Q_s, S_s, acc_o, clear_accum=True)" in source and "T.gemm(K_s, Vw, S_f, transpose_A=True)" in source
+
+
+@pytest.mark.parametrize("variant", WEIGHTED)
+@pytest.mark.parametrize("dk,split,kernels", [(64, "fused", ["fused"]), (128, "chunked", ["chunk_state", "chunk_o"]),
+                                              (128, "segmented", ["segment_state", "fused"])])
+def test_row_weights_compile_without_spills_in_every_split_and_the_model_knows_their_shared_memory(
+        variant, dk, split, kernels, tmp_path):
+    rendered = rendered_config(variant, dk, split=split, qk_in="rows")
+    report = assert_compiles_clean(rendered, kernels, tmp_path)
+    predicted = {k.name: k.smem_bytes for k in rendered.prediction.per_kernel}
+    assert predicted == {k.name: k.dynamic_smem_bytes for k in report.kernels}
 
 
 def test_linear_has_no_decay_weights():
@@ -122,11 +137,22 @@ def test_segments_change_the_code_and_the_segment_chain_carries_the_segments_dec
                                        {"split": "segmented"}, {"split": "segmented", "segments": 8}),
                          ids=("fused", "chunked", "chunked-block_dv_o", "segmented", "segmented-8"))
 def test_forward_matches_fp64_oracle(variant, dk, overrides):
-    rendered = rendered_config(variant, dk, **overrides)
+    check_against_oracle(rendered_config(variant, dk, **overrides))
+
+
+@cuda
+@pytest.mark.parametrize("variant", WEIGHTED)
+@pytest.mark.parametrize("dk", (64, 128))
+@pytest.mark.parametrize("split", ("fused", "chunked", "segmented"))
+def test_row_weights_match_fp64_oracle(variant, dk, split):
+    check_against_oracle(rendered_config(variant, dk, split=split, qk_in="rows"))
+
+
+def check_against_oracle(rendered):
     module, compiled = load_kernels(rendered)
     C = rendered.config["chunk_size"]
     # One compile serves every length: a multiple of C, and a ragged tail, each with an initial state;
     # segments of several chunks and empty trailing segments where the sequence is split.
-    seqlens = (4 * C, 3 * C + 17) + ((9 * C + 5,) if overrides["split"] == "segmented" else ())
+    seqlens = (4 * C, 3 * C + 17) + ((9 * C + 5,) if rendered.config["split"] == "segmented" else ())
     for seqlen in seqlens:
         oracle_errors(module, compiled, rendered, "initial_state", seqlen)
