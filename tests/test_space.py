@@ -143,6 +143,24 @@ def test_an_inherited_parameter_is_stated_only_where_it_differs():
         sp.complete(problem, {"block_dv_o": "48"})
 
 
+def test_an_implicit_default_is_stated_only_off_its_default_so_earlier_configs_keep_their_kernels():
+    problem = Problem("simple_gla", 128, 128)
+    sp = space.load("simple_gla")
+    assert sp.params["gate_cumsum"].implicit_default and sp.params["gate_cumsum"].default == "in_loop"
+    default = sp.default(problem)  # fused
+    assert "gate_cumsum" not in default and violations(problem, default) == []  # unstated is not missing
+    digest = lambda c: Candidate.from_config(problem, c).digest  # noqa: E731
+    assert sp.normalise({**default, "gate_cumsum": "in_loop"}) == default
+    assert digest({**default, "gate_cumsum": "in_loop"}) == digest(default)
+    prepass = {**default, "gate_cumsum": "prepass"}
+    assert sp.normalise(prepass) == prepass and digest(prepass) != digest(default)
+    # The search is told the value that applies; where it does not apply, nothing.
+    assert sp.stated(default) == {**default, "gate_cumsum": "in_loop"}
+    chunked = sp.default(problem, None) | {"split": "chunked"}
+    assert "gate_cumsum" not in sp.stated(sp.normalise(chunked))
+    assert sp.normalise({**chunked, "gate_cumsum": "prepass"}) == sp.normalise(chunked)
+
+
 def test_an_inherited_parameter_with_a_default_or_nothing_to_inherit_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(variants, "SEARCH_SPACES_DIR", tmp_path)
     for bad in ("    inherit: block_dv\n    default: 64\n", "    inherit: block_size\n"):

@@ -2,8 +2,9 @@
 split compile for sm_90a without spills (ptxas), placements and segment counts change the generated
 code, constraints refuse before rendering (among them 16-column GEMMs on 256 threads, which TileLang
 refuses to compile), and on a GPU every split (the chunked one also with an output kernel's own DV
-block, the segmented one with 4 and 8 segments; decay's and simple_gla's with row weights too)
-matches the fp64 chunked oracle, tails, empty segments and initial state included."""
+block, the segmented one with 4 and 8 segments; decay's and simple_gla's with row weights too, and
+simple_gla's with its gate's cumulative sum taken by a prepass) matches the fp64 chunked oracle, tails,
+empty segments and initial state included."""
 from __future__ import annotations
 
 import pytest
@@ -129,6 +130,20 @@ def test_segments_change_the_code_and_the_segment_chain_carries_the_segments_dec
     assert "if seg == SEGMENTS - 1:\n                T.copy(S_f, HT[" in source
 
 
+@pytest.mark.parametrize("dk,split,qk_in,kernels", [(64, "fused", "fragment", ["gate_cumsum", "fused"]),
+                                                    (128, "segmented", "rows", ["gate_cumsum", "segment_state", "fused"])])
+def test_the_gate_prepass_takes_the_cumulative_sum_off_the_loop_and_compiles_without_spills(dk, split, qk_in, kernels,
+                                                                                           tmp_path):
+    rendered = rendered_config("simple_gla", dk, split=split, qk_in=qk_in, gate_cumsum="prepass")
+    source = rendered.source
+    loop = source[source.index("for c"):]  # the sequential kernels' chunk loops
+    assert "for r in T.serial(i + 1):" not in loop and "gc_s[i] = G[bb, T.min(c * C + i, S - 1), bh]" in loop
+    assert 'kernels["gate_cumsum"](g, gc)' in source and ", gc, h0," in source
+    report = assert_compiles_clean(rendered, kernels, tmp_path)
+    predicted = {k.name: k.smem_bytes for k in rendered.prediction.per_kernel}
+    assert predicted == {k.name: k.dynamic_smem_bytes for k in report.kernels}
+
+
 @cuda
 @pytest.mark.parametrize("variant", SCALAR)
 @pytest.mark.parametrize("dk", (64, 128))
@@ -146,6 +161,13 @@ def test_forward_matches_fp64_oracle(variant, dk, overrides):
 @pytest.mark.parametrize("split", ("fused", "chunked", "segmented"))
 def test_row_weights_match_fp64_oracle(variant, dk, split):
     check_against_oracle(rendered_config(variant, dk, split=split, qk_in="rows"))
+
+
+@cuda
+@pytest.mark.parametrize("dk", (64, 128))
+@pytest.mark.parametrize("split,qk_in", [("fused", "fragment"), ("segmented", "fragment"), ("fused", "rows")])
+def test_the_gate_prepass_matches_fp64_oracle(dk, split, qk_in):
+    check_against_oracle(rendered_config("simple_gla", dk, split=split, qk_in=qk_in, gate_cumsum="prepass"))
 
 
 def check_against_oracle(rendered):

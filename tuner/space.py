@@ -8,7 +8,9 @@ config states it only where it differs, so a parameter added to a template this 
 config from before it, and its kernel and digest, as it was. A parameter may also have
 ``caller_values``: values the caller sets (``tune --fix``, :mod:`tuner.ops` for a packed call), which
 the search never draws; a config states such a parameter only at one of them, so it too leaves every
-config from before it as it was. A
+config from before it as it was. A parameter with ``implicit_default`` is stated only where it differs
+from its default (the template reads an unstated one as its default): a searched parameter added to a
+template this way leaves every config from before it, and its kernel and digest, as they were. A
 constraint is a readable expression over the parameters and the problem's ``dk``, ``dv`` and
 ``dtype``, with the ``reason`` reported when it fails. Expressions may also use ``smem_limit``, the
 per-block limit, and the measures of a rendered kernel (:data:`MEASURES`: ``smem_bytes``, its
@@ -46,6 +48,8 @@ class Parameter:
     caller_values: tuple = ()
     # The other parameters' values (name, value) in the default config of a caller that sets a caller value.
     caller_default: tuple = ()
+    # Stated by a config only off its default (added after configs were stored; the template reads it unstated).
+    implicit_default: bool = False
 
     @property
     def accepted(self) -> tuple:
@@ -95,15 +99,18 @@ class Space:
         return {n: config[n] for n, p in self.params.items()
                 if n in config and self.active(n, config)
                 and not (p.inherit is not None and config[n] == config.get(p.inherit))
-                and not (p.caller_values and config[n] not in p.caller_values)}
+                and not (p.caller_values and config[n] not in p.caller_values)
+                and not (p.implicit_default and config[n] == p.default)}
 
     def stated(self, config: dict) -> dict:
-        """``config`` with every inherited parameter that applies stated at its value: what the
-        search is told a config's parameters are (Optuna draws an unstated one at random)."""
+        """``config`` with every inherited or implicit parameter that applies stated at its value: what
+        the search is told a config's parameters are (Optuna draws an unstated one at random)."""
         out = dict(config)
         for name, p in self.params.items():
             if p.inherit is not None and name not in out and p.inherit in out and self.active(name, out):
                 out[name] = out[p.inherit]
+            elif p.implicit_default and name not in out and self.active(name, out):
+                out[name] = p.default
         return {n: out[n] for n in self.params if n in out}
 
     def complete(self, problem: Problem, overrides: dict) -> dict:
@@ -139,7 +146,7 @@ class Space:
         for name, p in self.params.items():
             if name in config and config[name] not in p.accepted:
                 reasons.append(f"{name}={config[name]!r} is not one of {list(p.accepted)}")
-            elif (name not in config and p.inherit is None and not p.caller_values
+            elif (name not in config and p.inherit is None and not p.caller_values and not p.implicit_default
                   and self.active(name, {**self._defaults(), **config})):
                 reasons.append(f"{name} is missing")
         if reasons:
@@ -242,7 +249,8 @@ def load(variant: str) -> Space:
         doc = yaml.safe_load(f)
     params = {
         name: Parameter(name, tuple(p["values"]), p.get("default"), p.get("doc", ""), p.get("when"), p.get("inherit"),
-                        tuple(p.get("caller_values", ())), tuple(p.get("caller_default", {}).items()))
+                        tuple(p.get("caller_values", ())), tuple(p.get("caller_default", {}).items()),
+                        bool(p.get("implicit_default", False)))
         for name, p in doc["parameters"].items()
     }
     constraints = tuple(Constraint(c["require"], c["reason"], c.get("when")) for c in doc.get("constraints", ()))
