@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "re-runs nothing, needs no GPU")
     reg.add_argument("--fla-only", action="store_true",
                      help="time FLA's op where no baseline was measured on this stack with the installed FLA "
-                          "and judge the winners' recorded history against it; re-times no winner")
+                          "autotuned at that shape, and judge the winners' recorded history against it; "
+                          "re-times no winner")
     reg.add_argument("--gpu", type=int, default=0, metavar="ID", help="CUDA device index (default 0)")
 
     dash = sub.add_parser("dashboard", help="write the static regression dashboard")

@@ -322,9 +322,10 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
 def time_fla(store: Store, names: list[str] | None = None, *, device: int = 0,
              note=print) -> list[Outcome]:
     """Gate and time FLA's op at the shapes of the selected winners of this GPU where it was not yet
-    measured on this stack with the installed FLA, record it, and judge each winner's recorded
-    history against it (:func:`replay`). No winner is re-timed: this fills in the baselines beside
-    winners timed on this stack before FLA was installed, or upgraded.
+    measured on this stack with the installed FLA autotuned at that shape, record it, and judge each
+    winner's recorded history against it (:func:`replay`). No winner is re-timed: this fills in the
+    baselines beside winners timed on this stack before FLA was installed, or upgraded, and measures
+    again those taken before FLA was autotuned per shape.
 
     Args:
         store (Store): the results database, writable.
