@@ -19,11 +19,12 @@ and kda's grouped two to a query/key head), one initial state per sequence; ours
 all get the same ``cu_seqlens``. Their shape reads ``packed NxT H<H>/HV<HV>`` (N sequences), apart from
 the dense rows.
 
-FLA is timed autotuned at each row's shape, as its stored baselines are: before a row, FLA's kernels
-forget the configs they chose (``tuner.baseline.autotune_fla_afresh``; their autotune keys leave out
-batch and length, so they would run the configs of the first shape met), and the row's first FLA call
-autotunes (seconds to minutes for ``chunk_gla`` and ``chunk_kda``); the dispatch column, timed after it,
-runs FLA with the same configs. ``--merge`` puts a run's rows into an existing JSON in place of
+FLA is timed autotuned at each row's problem, as its stored baselines are: before a row, FLA's kernels
+forget the configs they chose (``tuner.baseline.autotune_fla_at``; their autotune keys leave out
+batch, length and head dims, so they would run the configs of the first shape met), and the row's first
+FLA call autotunes there (seconds to minutes for ``chunk_gla`` and ``chunk_kda``), or loads the choice
+that the baseline's timing of the same problem made on this machine, so the row times FLA with the
+configs its stored baseline was timed with; the dispatch column, timed after it, runs FLA with them too. ``--merge`` puts a run's rows into an existing JSON in place of
 the rows of the same variant, D, dtype and shape, so the table can be measured over several runs.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 import torch  # noqa: E402
 
 from tuner import best_config, ops  # noqa: E402
-from tuner.baseline import autotune_fla_afresh  # noqa: E402
+from tuner.baseline import autotune_fla_at, problem_label  # noqa: E402
 from tuner.bench import H200_COPY_GBPS, memory_floor_ms, time_forward  # noqa: E402
 from tuner.inputs import make_inputs  # noqa: E402
 from tuner.problem import Problem, parse_shape  # noqa: E402
@@ -153,7 +154,7 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
     problem, x, row = (packed_inputs if packed else dense_inputs)(variant, dk, dtype, shape)
     try:
         ours, fla = op_calls(ops, variant, x, backend="tuner"), op_calls(fla_ops(), variant, x)
-        autotune_fla_afresh()
+        autotune_fla_at(problem_label(problem, packed))
         with_state = (op_calls(ops, variant, x, backend="tuner", output_final_state=True),
                       op_calls(fla_ops(), variant, x, output_final_state=True))
         row["vs_fla"] = {name: compare(with_state[0][name], with_state[1][name], problem.tolerance) for name in ours}
@@ -161,9 +162,11 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
         row["within_tolerance"] = all(c["within_tolerance"] for c in row["vs_fla"].values())
         ours, fla = next(iter(ours.values())), next(iter(fla.values()))
         dispatch = next(iter(op_calls(ops, variant, x, backend="auto").values()))
-        row["ours_ms"] = time_forward(ours).median_ms
-        row["fla_ms"] = time_forward(fla).median_ms
-        row["dispatch_ms"] = time_forward(dispatch).median_ms
+        for name, call in (("ours", ours), ("fla", fla), ("dispatch", dispatch)):
+            timing = time_forward(call)
+            row[f"{name}_ms"] = timing.median_ms
+            # The spread says whether a row's ratio is the kernels' or the run's noise.
+            row[f"{name}_p10_p90_ms"] = [timing.p10_ms, timing.p90_ms]
         row["dispatch_backend"] = best_config(variant, dk, dk, dtype, problem.batch, problem.seqlen, problem.heads,
                                               backend="auto", packed=packed).backend
         row["ratio"] = row["ours_ms"] / row["fla_ms"]

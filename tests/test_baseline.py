@@ -78,17 +78,49 @@ def test_the_baseline_module_refuses_another_fla_version(fla_standin, monkeypatc
         module.forward({}, **x)
 
 
-def fake_triton(monkeypatch) -> types.SimpleNamespace:
-    """Triton's kernel wrappers as FLA's modules hold them, for a process without Triton: an autotuner
-    keeps its choices in ``cache`` (by autotune key) and ``cache_results`` says whether they go to disk."""
+def fake_triton(monkeypatch, disk_cache: bool = True) -> types.SimpleNamespace:
+    """Triton's kernel wrappers as FLA's modules hold them, for a process without Triton. An autotuner
+    keeps its choices in ``cache`` (by autotune key); ``run`` takes the choice from there, else (with
+    ``cache_results``) through ``check_disk_cache`` from the machine's disk (a file named by the key,
+    written after a benchmark), else benchmarks, as Triton 3's ``Autotuner.run`` does. ``disk_cache``
+    False: a Triton without ``check_disk_cache``."""
     class KernelInterface:
         def __init__(self, fn):
             self.fn = fn
 
     class Autotuner(KernelInterface):
+        disk = {}  # Triton's cache folder: one per machine, shared by its processes
+
         def __init__(self, fn):
             super().__init__(fn)
             self.cache, self.cache_results = {("BT", 64): "config chosen at 4x8192x16"}, True
+            self.benchmarked = []
+
+        def run(self, key, timings: dict):
+            """The config for autotune ``key``; ``timings``: each config's time at the shape called at."""
+            if key not in self.cache:
+                def benchmark():
+                    self.benchmarked.append(key)
+                    self.cache[key] = min(timings, key=timings.get)
+                    self.configs_timings = timings
+
+                if self.cache_results:
+                    self.check_disk_cache(key, list(timings), benchmark)
+                else:
+                    benchmark()
+            return self.cache[key]
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        file = str(tuning_key)
+        if file in self.disk:
+            self.cache[tuning_key] = self.disk[file]
+            return True
+        bench_fn()
+        self.disk[file] = min(self.configs_timings, key=self.configs_timings.get)
+        return False
+
+    if disk_cache:
+        Autotuner.check_disk_cache = check_disk_cache
 
     class Heuristics(KernelInterface):
         pass
@@ -103,6 +135,12 @@ def fake_triton(monkeypatch) -> types.SimpleNamespace:
     return types.SimpleNamespace(Autotuner=Autotuner, Heuristics=Heuristics, KernelInterface=KernelInterface)
 
 
+def fla_module(monkeypatch, name: str, **kernels) -> None:
+    module = types.ModuleType(name)
+    vars(module).update(kernels)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
 def test_fla_forgets_its_autotune_choices_in_every_wrapper_of_every_module_of_its_own(monkeypatch):
     triton = fake_triton(monkeypatch)
     state_pass = triton.Heuristics(triton.Autotuner(triton.KernelInterface(lambda: None)))  # heuristics(autotune(jit))
@@ -110,28 +148,56 @@ def test_fla_forgets_its_autotune_choices_in_every_wrapper_of_every_module_of_it
     shared = triton.Autotuner(triton.KernelInterface(lambda: None))
     elsewhere = triton.Autotuner(triton.KernelInterface(lambda: None))
     not_a_kernel = types.SimpleNamespace(fn=triton.Autotuner(triton.KernelInterface(lambda: None)))
-    for name, attrs in {"fla.ops.common.chunk_h": dict(chunk_fwd_kernel_h=state_pass, imported=shared),
-                        "fla.ops.common.chunk_o": dict(chunk_fwd_kernel_o=output, imported=shared, hook=not_a_kernel),
-                        "not_fla.kernels": dict(kernel=elsewhere)}.items():
-        module = types.ModuleType(name)
-        vars(module).update(attrs)
-        monkeypatch.setitem(sys.modules, name, module)
+    fla_module(monkeypatch, "fla.ops.common.chunk_h", chunk_fwd_kernel_h=state_pass, imported=shared)
+    fla_module(monkeypatch, "fla.ops.common.chunk_o", chunk_fwd_kernel_o=output, imported=shared, hook=not_a_kernel)
+    fla_module(monkeypatch, "not_fla.kernels", kernel=elsewhere)
 
-    assert baseline.autotune_fla_afresh() == 3
+    assert baseline.autotune_fla_at("gdn 128x128 bf16 4x8192x16") == 3
     for tuner in (state_pass.fn, output, shared):
-        assert (tuner.cache, tuner.cache_results) == ({}, False)
+        assert tuner.cache == {}
     for tuner in (elsewhere, not_a_kernel.fn):  # not FLA's, or not reached through Triton's wrappers
-        assert (tuner.cache, tuner.cache_results) == ({("BT", 64): "config chosen at 4x8192x16"}, True)
+        assert tuner.cache == {("BT", 64): "config chosen at 4x8192x16"}
+
+
+def test_a_choice_made_at_a_problem_is_what_a_later_process_runs_there_and_only_there(monkeypatch):
+    triton = fake_triton(monkeypatch)
+    at_reference, at_long = "gdn 128x128 bf16 4x8192x16", "gdn 128x128 bf16 1x32768x32"
+    key = ("BT", 64)  # FLA's key: the same at both shapes
+    first = triton.Autotuner(triton.KernelInterface(lambda: None))
+    fla_module(monkeypatch, "fla.ops.common.chunk_h", chunk_fwd_kernel_h=first)
+    baseline.autotune_fla_at(at_reference)
+    assert first.run(key, {"BV=32": 1.0, "BV=64": 2.0}) == "BV=32" and first.benchmarked == [key]
+
+    # A later process (its own autotuner, the same disk), whose autotune would pick otherwise.
+    later = triton.Autotuner(triton.KernelInterface(lambda: None))
+    fla_module(monkeypatch, "fla.ops.common.chunk_h", chunk_fwd_kernel_h=later)
+    baseline.autotune_fla_at(at_reference)
+    assert later.run(key, {"BV=32": 2.0, "BV=64": 1.0}) == "BV=32" and later.benchmarked == []
+    baseline.autotune_fla_at(at_long)  # another shape: autotuned there, not the reference's choice
+    assert later.run(key, {"BV=32": 2.0, "BV=64": 1.0}) == "BV=64" and later.benchmarked == [key]
+    baseline.autotune_fla_at(at_reference)
+    assert later.run(key, {"BV=32": 2.0, "BV=64": 1.0}) == "BV=32" and later.benchmarked == [key]
+    assert len(later.disk) == 2 and all(at_reference in f or at_long in f for f in later.disk)
+
+
+def test_without_a_disk_cache_of_choices_fla_autotunes_in_every_process(monkeypatch):
+    triton = fake_triton(monkeypatch, disk_cache=False)
+    tuner = triton.Autotuner(triton.KernelInterface(lambda: None))
+    fla_module(monkeypatch, "fla.ops.common.chunk_h", chunk_fwd_kernel_h=tuner)
+    for timings, chosen in (({"BV=32": 1.0, "BV=64": 2.0}, "BV=32"), ({"BV=32": 2.0, "BV=64": 1.0}, "BV=64")):
+        assert baseline.autotune_fla_at("gdn 128x128 bf16 4x8192x16") == 1
+        assert not tuner.cache_results and tuner.run(("BT", 64), timings) == chosen
+    assert len(tuner.benchmarked) == 2
 
 
 def test_without_triton_loaded_there_is_nothing_to_forget(monkeypatch):
     monkeypatch.delitem(sys.modules, "triton", raising=False)
-    assert baseline.autotune_fla_afresh() == 0
+    assert baseline.autotune_fla_at("gdn 128x128 bf16 4x8192x16") == 0
 
 
-def test_the_baseline_module_makes_fla_autotune_again_before_each_timing(fla_standin, monkeypatch):
+def test_the_baseline_module_makes_fla_autotune_at_the_problem_before_each_timing(fla_standin, monkeypatch):
     calls = []
-    monkeypatch.setattr(baseline, "autotune_fla_afresh", lambda: calls.append(f"afresh, fla {'fla.ops' in sys.modules}"))
+    monkeypatch.setattr(baseline, "autotune_fla_at", lambda at: calls.append(f"at {at}, fla {'fla.ops' in sys.modules}"))
     module = load(baseline.source("gdn", fla_standin))
     forward = module.forward
     module.forward = lambda *args, **kwargs: (calls.append("forward"), forward(*args, **kwargs))[1]
@@ -142,7 +208,8 @@ def test_the_baseline_module_makes_fla_autotune_again_before_each_timing(fla_sta
     bench.time_module(SMALL, module, {}, x, rep=2, warmup_ms=0)
     bench.time_module(SMALL, module, {}, x, rep=2, warmup_ms=0)
     # Before each timing's first call (its warm-up, which absorbs the autotune), with FLA imported.
-    assert calls == (["afresh, fla True"] + ["forward"] * 3) * 2
+    at = f"at {baseline.problem_label(SMALL)}, fla True"
+    assert calls == ([at] + ["forward"] * 3) * 2
 
 
 def test_a_decode_kernel_has_no_baseline():

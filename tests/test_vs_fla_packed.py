@@ -100,7 +100,7 @@ def recorded(on_cpu, monkeypatch):
 
     def time_once(fn):
         fn()
-        return Timing(1.0, 1.0, 1.0, 1)
+        return Timing(1.0, 0.9, 1.2, 1)
 
     def lookup(*shape, **options):
         calls.append(("lookup", shape, options))
@@ -135,6 +135,7 @@ def test_a_packed_row_calls_ours_fla_and_the_dispatch_with_the_packed_sequences(
     assert row["vs_fla"][op]["final_state"] == pytest.approx(2e-3 / 1.002, rel=1e-3)
     assert row["rel_l2_vs_fla"] == row["vs_fla"][op]["final_state"]
     assert row["within_tolerance"] and row["ours_ms"] == row["fla_ms"] == row["dispatch_ms"] == 1.0
+    assert row["ours_p10_p90_ms"] == row["fla_p10_p90_ms"] == row["dispatch_p10_p90_ms"] == [0.9, 1.2]
     assert row["dispatch_vs_best"] == 1.0 and vs_fla.over_the_limit([row]) == []
 
 

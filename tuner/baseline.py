@@ -6,8 +6,8 @@ initial_state) -> (o, final_state)``), wrapped in a :class:`~tuner.candidate.Can
 config :data:`CONFIG`: the gate's child checks it against the fp64 oracle and times it exactly as it
 does the tuner's kernels. The module imports FLA on its first call, with
 ``FLA_DISABLE_BACKEND_DISPATCH=1`` (FLA's own Triton kernels), and refuses another FLA version than
-the one it was written for. FLA is timed autotuned at the shape timed: its ``before_timing`` makes
-FLA's kernels autotune again (:func:`autotune_fla_afresh` says why), and the timing's warm-up call
+the one it was written for. FLA is timed autotuned at the problem timed: its ``before_timing`` makes
+FLA's kernels autotune there (:func:`autotune_fla_at` says why), and the timing's warm-up call
 absorbs the autotune.
 
 FLA is an optional dependency (``pip install 'linattn-tuner[fla]'``): nothing here imports it; the
@@ -84,18 +84,20 @@ def fla_ops():
         raise FlaUnavailable(f"FLA cannot be imported ({e}); install it with {INSTALL}") from None
 
 
-def autotune_fla_afresh() -> int:
-    """Make every Triton kernel of the imported FLA modules autotune again on its next call: the
-    configs chosen so far are forgotten, and Triton's disk cache of autotune results is switched off
-    for them.
+def autotune_fla_at(at: str) -> int:
+    """Make every Triton kernel of the imported FLA modules run, from its next call on, with the
+    configs its autotune chooses at ``at`` (a problem and shape, as text): the choices held in memory
+    are forgotten, and the ones Triton keeps on disk are keyed by ``at`` as well as by FLA's keys.
 
-    FLA's autotune keys leave out the batch and the sequence length (its state pass keys on chunk size,
-    head dims and gate flags only), and FLA keeps the choices on disk by default, so without this FLA
-    runs every shape with the configs chosen at the first shape it met on the machine: chunk_simple_gla
-    (D=64, 4x8192x16, H200) took 0.28 ms in a run that autotuned there, 0.51 ms in one that had
-    autotuned at 1x32768x32 first. After
-    this call FLA runs at its best at the shape it is called at next, as in a process that only ever
-    runs that shape.
+    FLA's autotune keys leave out the batch, the sequence length and the head dims (its state pass
+    keys on chunk size and gate flags only), and FLA keeps the choices on disk by default, so without
+    this FLA runs every shape with the configs chosen at the first shape it met on the machine:
+    chunk_simple_gla (D=64, 4x8192x16, H200) took 0.28 ms in a run that autotuned there, 0.51 ms in
+    one that had autotuned at 1x32768x32 first. After this call the next call autotunes at ``at``,
+    once per machine: a later process that asks for the same ``at`` (a baseline's timing, then the
+    benchmark's row of that shape) loads that choice and runs the same configs, where two autotunes
+    could pick differently. A Triton without a disk cache of autotune choices autotunes again in
+    every process.
 
     Returns:
         int: the autotuners reset.
@@ -115,10 +117,34 @@ def autotune_fla_afresh() -> int:
                 if isinstance(obj, Autotuner):
                     reset[id(obj)] = obj
                 obj = getattr(obj, "fn", None)
+    on_disk = hasattr(Autotuner, "check_disk_cache")
     for tuner in reset.values():
         tuner.cache.clear()
-        tuner.cache_results = False
+        tuner.cache_results = on_disk
+        if on_disk:
+            tuner.check_disk_cache = _disk_choices_at(tuner, at)
     return len(reset)
+
+
+def problem_label(problem: Problem, packed: bool = False) -> str:
+    """What :func:`autotune_fla_at` keys FLA's choices by: the problem's variant, head dims, dtype and
+    shape, and whether its sequences are packed."""
+    return f"{problem.variant} {problem.dk}x{problem.dv} {problem.dtype} {'packed ' if packed else ''}{problem.shape}"
+
+
+def _disk_choices_at(tuner, at: str):
+    """``tuner``'s ``check_disk_cache`` with ``at`` added to the key it files a choice under; the
+    choice found stays under the key the autotuner looks it up by."""
+    check = type(tuner).check_disk_cache
+
+    def check_disk_cache(tuning_key, configs, bench_fn):
+        keyed = (*tuning_key, at)
+        found = check(tuner, keyed, configs, bench_fn)
+        if keyed in tuner.cache:  # a choice read from disk is stored under the key it was asked for
+            tuner.cache[tuning_key] = tuner.cache.pop(keyed)
+        return found
+
+    return check_disk_cache
 
 
 def has_baseline(variant: str) -> bool:
@@ -171,12 +197,12 @@ def _fla_ops():
     return fla.ops
 
 
-def before_timing():
-    # FLA's autotune keys leave out batch and length: autotune again at the shape timed next.
+def before_timing(problem):
+    # FLA's autotune keys leave out batch, length and head dims: autotune at the problem timed next.
     _fla_ops()
-    from tuner.baseline import autotune_fla_afresh
+    from tuner.baseline import autotune_fla_at, problem_label
 
-    autotune_fla_afresh()
+    autotune_fla_at(problem_label(problem))
 
 
 def forward(kernels, q, k, v, g=None, beta=None, scale=None, initial_state=None):

@@ -165,11 +165,11 @@ def time_module(problem: Problem, module, kernels: dict, x: dict, **timing) -> d
         x (dict): ``tuner.inputs.make_inputs`` for the problem.
         **timing: keyword arguments of :func:`time_forward`.
 
-    A module's ``before_timing()``, where it has one, is called first (FLA's baseline module makes FLA
-    autotune at this shape there).
+    A module's ``before_timing(problem)``, where it has one, is called first (FLA's baseline module makes
+    FLA autotune at this problem there).
     """
     if hasattr(module, "before_timing"):
-        module.before_timing()
+        module.before_timing(problem)
     if problem.spec.recurrence_of:
         # A decode kernel is timed as a decode step: its states updated in place in a pool, buffers
         # made once; the step reads and writes every state.

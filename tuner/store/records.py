@@ -146,7 +146,7 @@ class Baseline:
     """One measurement of FLA's op for a problem (``tuner.baseline``), at the problem's shape on
     ``stack`` with FLA ``fla_version``: the gate's verdict (``status``, ``gate_errors``, and why it
     did not pass in ``message``) and, on a pass, the timing and the memory-bound floor at that shape.
-    ``autotuned_at_shape``: FLA was timed autotuned at this shape (``tuner.baseline.autotune_fla_afresh``);
+    ``autotuned_at_shape``: FLA was timed autotuned at this shape (``tuner.baseline.autotune_fla_at``);
     False for measurements made before that was done, with whatever configs FLA had chosen earlier."""
 
     problem: Problem
