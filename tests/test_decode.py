@@ -53,6 +53,15 @@ def test_state_in_shared_memory_compiles_clean(base, tmp_path):
     assert report.kernels[0].dynamic_smem_bytes >= 128 * 32 * 4
 
 
+@pytest.mark.parametrize("state_in,layout", [("fragment", "kv"), ("shared", "vk")])
+@pytest.mark.parametrize("base", ["gdn", "kda", "simple_gla"])
+def test_a_slot_per_token_compiles_clean(base, state_in, layout, tmp_path):
+    rendered = rendered_config(variants.recurrent_name(base), 128, state_in=state_in, layout=layout,
+                               token_states=True)
+    assert_compiles_clean(rendered, ["recurrent"], tmp_path)
+    assert "SlotOf: T.Tensor([N, W]" in rendered.source and "Accepted" in rendered.source
+
+
 @pytest.mark.parametrize("param", list(space.load("gdn_recurrent").params))
 def test_every_parameter_changes_the_code(param):
     assert_every_value_changes_source("gdn_recurrent", 128, param)
@@ -74,10 +83,21 @@ def test_the_model_prunes_a_state_tile_that_spills_and_keeps_the_default(tmp_pat
 
 def oracle_step(base: str, layout: str):
     """A stand-in for a generated module's step(): each sequence (tokens numbered b * T + t) run by
-    reference.recurrent from its slot of h0, its state written to the same slot of ht (-1: skipped, o zeros)."""
+    reference.recurrent from its slot of h0, its state written to the same slot of ht (-1: skipped, o zeros).
+    With a slot per token (slot_of [N, W] and accepted [N]): the sequences run by :func:`speculative_oracle`."""
     spec = variants.get(base)
 
     def step(kernels, *args):
+        if args[-4].dim() == 2:  # slot_of [N, W], accepted [N]
+            tokens, (scale, h0, ht, slot_of, accepted, cu_seqlens, o) = args[:-7], args[-7:]
+            q, k, v, *gates = tokens
+            g = gates[0] if spec.decay_per else None
+            beta = gates[-1] if spec.delta else None
+            kv = (lambda p: p) if layout == "kv" else (lambda p: p.transpose(-1, -2))
+            o_ref, pool = speculative_oracle(base, q, k, v, g, beta, scale, kv(h0), slot_of, accepted, cu_seqlens)
+            o.copy_(o_ref.to(o.dtype))
+            ht.copy_(kv(pool).float())
+            return
         tokens, (scale, h0, ht, slot_of, cu_seqlens, o) = args[:-6], args[-6:]
         q, k, v, *gates = (t if t.dim() == 1 else t.flatten(0, 1) for t in tokens)
         o = o.flatten(0, 1)
@@ -114,14 +134,14 @@ class _OracleModule:
 @pytest.fixture
 def oracle_kernels(monkeypatch):
     """tuner.decode.run with the oracle in place of the compiled kernel, on the CPU."""
-    def kernel_for(variant, dk, dv, dtype, sequences, tokens, heads, layout, device):
+    def kernel_for(variant, dk, dv, dtype, sequences, tokens, heads, layout, device, token_states=False):
         return _OracleModule(variant, layout), {}, {}
 
     monkeypatch.setattr(decode, "kernel_for", kernel_for)
 
     def run(base, *args, **kwargs):
         call = decode.plan(base, *args, **kwargs)
-        module, kernels, _ = decode.kernel_for(base, *call.shape, 0)
+        module, kernels, _ = decode.kernel_for(base, *call.shape, 0, token_states=call.token_states)
         module.step(kernels, *call.args)
         return call.result
 
@@ -192,6 +212,94 @@ def test_pool_form_updates_the_named_slots_in_place_and_no_other(base, state_v_f
     assert rel(o[slots >= 0], o_ref) < 1e-2 and rel(after[named], ht_ref) < 1e-6
     unnamed = [s for s in range(7) if s not in named.tolist()]
     assert torch.equal(stored[unnamed], before[unnamed])
+
+
+def speculative_oracle(base, q, k, v, g, beta, scale, pool, slot_of, accepted, cu_seqlens):
+    """Speculative decoding by its definition, in fp64: sequence n starts from pool[slot_of[n, accepted[n]
+    - 1]] (-1: skipped, o zeros, no state kept) and its state after token t (the recurrence over its first
+    t + 1 tokens) goes to pool[slot_of[n, t]] (-1, or t past W: kept nowhere). Returns (o, the new pool),
+    every state read before any is written."""
+    spec = variants.get(base)
+    flat = lambda x: None if x is None or x.dim() == 1 else x.flatten(0, 1)[None]  # noqa: E731
+    q, k, v, g_all, beta_all = flat(q), flat(k), flat(v), g if g is not None and g.dim() == 1 else flat(g), flat(beta)
+    o = torch.zeros(v.shape[1:], dtype=torch.float64)
+    new = pool.double().clone()
+    W = slot_of.shape[1]
+    for n in range(slot_of.shape[0]):
+        a, b = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        start = int(slot_of[n, int(accepted[n]) - 1])
+        if start < 0 or a == b:
+            continue
+        per_token = spec.decay_per in ("token", "channel")
+        part = lambda x: None if x is None else x[:, a:b]  # noqa: E731
+        out, _ = reference.recurrent(base, part(q), part(k), part(v), g=part(g_all) if per_token else g_all,
+                                     beta=part(beta_all), scale=scale, initial_state=pool[start][None].double())
+        o[a:b] = out[0]
+        for t in range(min(b - a, W)):
+            if int(slot_of[n, t]) >= 0:
+                _, state = reference.recurrent(
+                    base, q[:, a:a + t + 1], k[:, a:a + t + 1], v[:, a:a + t + 1],
+                    g=g_all[:, a:a + t + 1] if per_token else g_all,
+                    beta=None if beta_all is None else beta_all[:, a:a + t + 1], scale=scale,
+                    initial_state=pool[start][None].double(), output_final_state=True)
+                new[int(slot_of[n, t])] = state[0]
+    return o.reshape(v.shape[1:]), new
+
+
+def speculative_case(base, state_v_first, device="cpu", dk=16, dv=8):
+    """Three sequences of 3, 2 and 3 tokens (packed) on a pool of 10: one resumes from its second
+    draft token, one from its first, one whose accepted token's slot is -1 (skipped); a token slot of -1
+    keeps nothing."""
+    q, k, v, g, beta = (t if t is None else t.to(device) for t in
+                        inputs(base, batch=1, seqlen=8, heads=2, value_heads=4 if base in ("gdn", "kda") else 2,
+                               dk=dk, dv=dv))
+    cu = torch.tensor([0, 3, 5, 8], device=device)
+    slot_of = torch.tensor([[1, 2, 3], [4, -1, 6], [7, 8, -1]], dtype=torch.int32, device=device)
+    accepted = torch.tensor([2, 1, 3], dtype=torch.int32, device=device)
+    pool = torch.randn(10, v.shape[2], dk, dv, generator=torch.Generator().manual_seed(3)).to(device) * 0.5
+    return q, k, v, g, beta, cu, slot_of, accepted, pool
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("base", ["gdn", "kda"])
+def test_speculative_decoding_resumes_from_the_accepted_token_and_keeps_every_tokens_state(
+        base, state_v_first, oracle_kernels):
+    q, k, v, g, beta, cu, slot_of, accepted, pool = speculative_case(base, state_v_first)
+    stored = pool.transpose(-1, -2).contiguous() if state_v_first else pool.clone()
+    o, final = OPS[base](q, k, v, g, beta, initial_state=stored, cu_seqlens=cu, ssm_state_indices=slot_of,
+                         num_accepted_tokens=accepted, state_v_first=state_v_first)
+    assert final is stored
+    after = stored.transpose(-1, -2) if state_v_first else stored
+    # Sequence 0 starts from slot 2 (its second token's), 1 from slot 4, 2 from slot -1: skipped.
+    o_ref0, _ = reference.recurrent(base, q[:, 0:3], k[:, 0:3], v[:, 0:3], g=g[:, 0:3], beta=beta[:, 0:3],
+                                    initial_state=pool[2][None])
+    assert rel(o[:, 0:3], o_ref0) < 1e-2 and torch.count_nonzero(o[:, 5:8]) == 0
+    for slot, (a, t) in {1: (0, 1), 2: (0, 2), 3: (0, 3), 4: (3, 1)}.items():  # slot: (first token, tokens)
+        start = pool[2] if a == 0 else pool[4]
+        _, state = reference.recurrent(base, q[:, a:a + t], k[:, a:a + t], v[:, a:a + t], g=g[:, a:a + t],
+                                       beta=beta[:, a:a + t], initial_state=start[None], output_final_state=True)
+        assert rel(after[slot], state[0]) < 1e-6, slot
+    for slot in (0, 5, 6, 7, 8, 9):  # unnamed, or named by the skipped sequence or by a token past its end
+        assert torch.equal(after[slot], pool[slot]), slot
+
+
+def test_num_accepted_tokens_needs_a_slot_per_token():
+    q, k, v, g, beta = inputs("gdn", batch=2, seqlen=2)
+    pool = torch.zeros(4, 2, 16, 8)
+    with pytest.raises(decode.DecodeInputError, match=r"num_accepted_tokens needs ssm_state_indices of shape \[N, tokens\]"):
+        decode.plan("gdn", q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([0, 1]),
+                    num_accepted_tokens=torch.tensor([1, 1]))
+    with pytest.raises(decode.DecodeInputError, match="num_accepted_tokens needs ssm_state_indices"):
+        decode.plan("gdn", q, k, v, g, beta, num_accepted_tokens=torch.tensor([1, 1]))
+    with pytest.raises(decode.DecodeInputError, match=r"num_accepted_tokens must have shape \[2\]"):
+        decode.plan("gdn", q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([[0, 1], [2, 3]]),
+                    num_accepted_tokens=torch.tensor([1, 1, 1]))
+    with pytest.raises(decode.DecodeInputError, match="num_accepted_tokens must be int32 or int64"):
+        decode.plan("gdn", q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([[0, 1], [2, 3]]),
+                    num_accepted_tokens=torch.tensor([1.0, 1.0]))
+    call = decode.plan("gdn", q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor([[0, 1], [2, 3]]))
+    slot_of, accepted = call.args[-4], call.args[-3]
+    assert call.token_states and slot_of.dtype == accepted.dtype == torch.int32 and accepted.tolist() == [1, 1]
 
 
 def test_pool_form_needs_the_pool_and_refuses_what_it_does_not_support():
@@ -308,6 +416,22 @@ def test_several_tokens_per_sequence_in_the_pool(base):
     assert rel(o[:, tokens], o_ref) < 1e-2
     assert torch.count_nonzero(o[:, 8:12]) == 0
     assert rel(pool[indices[keep].long()], ht_ref) < 1e-4
+
+
+@cuda
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("base", ["gdn", "kda"])
+def test_speculative_decoding_on_the_gpu_matches_its_definition(base, state_v_first):
+    q, k, v, g, beta, cu, slot_of, accepted, pool = speculative_case(base, state_v_first, "cuda", dk=128, dv=128)
+    stored = pool.transpose(-1, -2).contiguous() if state_v_first else pool.clone()
+    o, _ = OPS[base](q, k, v, g, beta, initial_state=stored, cu_seqlens=cu, ssm_state_indices=slot_of,
+                     num_accepted_tokens=accepted, state_v_first=state_v_first)
+    o_ref, pool_ref = speculative_oracle(base, *(x if x is None else x.cpu() for x in (q, k, v, g, beta)),
+                                         128 ** -0.5, pool.cpu(), slot_of.cpu(), accepted.cpu(), cu.cpu())
+    after = (stored.transpose(-1, -2) if state_v_first else stored).cpu()
+    assert rel(o.cpu()[0], o_ref) < 1e-2
+    assert rel(after, pool_ref) < 1e-4
+    assert torch.equal(after[[0, 5, 6, 9]], pool.cpu()[[0, 5, 6, 9]])  # slots no kept state names
 
 
 @cuda

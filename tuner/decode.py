@@ -7,7 +7,14 @@ written; the final state is a new tensor. The pool form (``ssm_state_indices`` g
 ``pool[ssm_state_indices[n]]`` and its state is written back there, in place; an index of -1 skips the
 sequence (no state read or written, its outputs zeros); slots no sequence names are not touched; the
 pool itself is returned as the final state. N is the batch, or ``len(cu_seqlens) - 1`` with packed
-sequences (several tokens each, e.g. speculative drafts). Grouped value heads: q and k have H heads,
+sequences (several tokens each, e.g. speculative drafts).
+
+Speculative decoding (``ssm_state_indices`` [N, W], a slot for each token of a sequence, as vLLM lays
+them out): sequence n starts from the slot of its last accepted token, ``pool[ssm_state_indices[n,
+num_accepted_tokens[n] - 1]]`` (``num_accepted_tokens`` [N] in 1..W; without it, the first slot), and
+the state after its token t is written to ``pool[ssm_state_indices[n, t]]``, so the next step resumes
+from whichever draft token was accepted; a start slot of -1 skips the sequence, a token's slot of -1
+keeps no state, and tokens past W keep none. Grouped value heads: q and k have H heads,
 v, g, beta and the states HV (a multiple of H); value head j reads query/key head j // (HV / H).
 
 The host path reads no tensor's values (no host sync): an index at or past the pool's end is not
@@ -54,15 +61,17 @@ def _compiled(name: str, dk: int, dv: int, dtype: str, config: tuple):
 
 @functools.lru_cache(maxsize=1024)
 def kernel_for(variant: str, dk: int, dv: int, dtype: str, sequences: int, tokens: int, heads: int,
-               layout: str, device: int):
+               layout: str, device: int, token_states: bool = False):
     """(module, kernels, config) of ``variant``'s recurrent kernel for a call of ``sequences`` sequences
-    with ``tokens`` tokens in all on ``heads`` value heads, with the pool in ``layout`` ("kv" or "vk").
-    The winner of the shape bucket is used with the pool's layout (the layout is the caller's, not a
-    choice)."""
+    with ``tokens`` tokens in all on ``heads`` value heads, with the pool in ``layout`` ("kv" or "vk"),
+    a slot per token where ``token_states`` (speculative decoding). The winner of the shape bucket is
+    used with the pool's layout and slots (the caller's, not a choice)."""
     name = recurrent_name(variant)
     bucket = shape_bucket(sequences * heads, max(tokens // max(sequences, 1), 1), 1)
     config = dict(_config(name, dk, dv, dtype, bucket, device))
     config["layout"] = layout
+    if token_states:
+        config["token_states"] = True
     module, kernels = _compiled(name, dk, dv, dtype, tuple(sorted(config.items())))
     return module, kernels, config
 
@@ -71,6 +80,12 @@ def kernel_for(variant: str, dk: int, dv: int, dtype: str, sequences: int, token
 def _arange(n: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[0, step, ..., n * step) on ``device``: the slots (step 1) and the equal lengths of FLA's form."""
     return torch.arange(0, n * step, step, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    """n ones (int32) on ``device``: every sequence's first slot is where it starts."""
+    return torch.ones(n, dtype=torch.int32, device=device)
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -103,6 +118,7 @@ class Call:
     Attributes:
         shape: the arguments of :func:`kernel_for` after the variant: (dk, dv, dtype, sequences,
             tokens, value heads, layout).
+        token_states: a slot per token (speculative decoding): :func:`kernel_for`'s ``token_states``.
         args: ``step()``'s arguments after ``kernels``.
         result: what the op returns once ``step()`` has run: (o, final state or None).
     """
@@ -110,24 +126,25 @@ class Call:
     shape: tuple
     args: tuple
     result: tuple
+    token_states: bool = False
 
 
 def run(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-        cu_seqlens=None, ssm_state_indices=None, state_v_first=False, out=None):
+        cu_seqlens=None, ssm_state_indices=None, state_v_first=False, out=None, num_accepted_tokens=None):
     """``variant``'s recurrence token by token; FLA's form, or the pool form with ``ssm_state_indices``
     (module docstring). Returns ``(o [B, T, HV, V], final_state or None)``."""
     call = plan(variant, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
-                state_v_first, out)
+                state_v_first, out, num_accepted_tokens)
     if not q.is_cuda:
         _fail(f"q, k, v must be on a CUDA device, got {q.device}")
-    module, kernels, _ = kernel_for(variant, *call.shape, q.device.index or 0)
+    module, kernels, _ = kernel_for(variant, *call.shape, q.device.index or 0, token_states=call.token_states)
     with torch.cuda.device(q.device):
         module.step(kernels, *call.args)
     return call.result
 
 
 def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-         cu_seqlens=None, ssm_state_indices=None, state_v_first=False, out=None) -> Call:
+         cu_seqlens=None, ssm_state_indices=None, state_v_first=False, out=None, num_accepted_tokens=None) -> Call:
     """The checks and the layout of :func:`run`, on any device; nothing is launched."""
     spec = get_variant(variant)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -174,13 +191,30 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         _check_tensor("initial_state", initial_state, (initial_state.shape[0], HV, *state), torch.float32, on)
         if not initial_state.is_contiguous():
             _fail("the state pool (initial_state) must be contiguous: it is updated in place")
-        _check_tensor("ssm_state_indices", ssm_state_indices, (N,), device=on)
+        per_token = ssm_state_indices.dim() == 2
+        _check_tensor("ssm_state_indices", ssm_state_indices,
+                      (N, ssm_state_indices.shape[-1]) if per_token else (N,), device=on)
         if ssm_state_indices.dtype not in (torch.int32, torch.int64):
             _fail(f"ssm_state_indices must be int32 or int64, got {ssm_state_indices.dtype}")
         slot_of = _dense(ssm_state_indices, torch.int32)
+        if per_token:  # a slot per token: the kernel reads where the last accepted token's state is
+            if num_accepted_tokens is None:
+                accepted = _ones(N, device)
+            else:
+                _check_tensor("num_accepted_tokens", num_accepted_tokens, (N,), device=on)
+                if num_accepted_tokens.dtype not in (torch.int32, torch.int64):
+                    _fail(f"num_accepted_tokens must be int32 or int64, got {num_accepted_tokens.dtype}")
+                accepted = _dense(num_accepted_tokens, torch.int32)
+            slot_of = (slot_of, accepted)
+        elif num_accepted_tokens is not None:
+            _fail("num_accepted_tokens needs ssm_state_indices of shape [N, tokens], a slot for each token "
+                  "(speculative decoding); with one slot per sequence there is nothing to choose from")
         h0 = ht = initial_state
     else:
+        if num_accepted_tokens is not None:
+            _fail("num_accepted_tokens needs ssm_state_indices [N, tokens] and the state pool as initial_state")
         slot_of = _arange(N, 1, torch.int32, device)
+        per_token = False
         if initial_state is None:
             h0 = ht = torch.zeros(N, HV, *state, dtype=torch.float32, device=device)
         else:
@@ -193,9 +227,11 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
         _check_tensor("out", out, v.shape, v.dtype, on)
 
     scale = DK ** -0.5 if scale is None else float(scale)
+    slots = slot_of if per_token else (slot_of,)
     return Call(shape=(DK, DV, _DTYPES[q.dtype], N, B * T, HV, "vk" if state_v_first else "kv"),
-                args=(*tensors, scale, h0, ht, slot_of, cu, out),
-                result=(out, ht if output_final_state or ssm_state_indices is not None else None))
+                args=(*tensors, scale, h0, ht, *slots, cu, out),
+                result=(out, ht if output_final_state or ssm_state_indices is not None else None),
+                token_states=per_token)
 
 
 def _refuse(**options):
@@ -216,7 +252,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      use_gate_in_kernel=False, A_log=None, dt_bias=None,
                                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, ssm_state_indices=None, out=None):
+                                     cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None, out=None):
     """Gated DeltaNet token by token, FLA's ``fused_recurrent_gated_delta_rule``, plus the pool form.
 
     Args:
@@ -230,7 +266,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
         state_v_first (bool): states stored [V, K] (vLLM's pool). Default: False.
         cu_seqlens (torch.Tensor): [N + 1] packed sequences, B = 1. Default: None.
-        ssm_state_indices (torch.Tensor): int32/int64 [N], each sequence's slot; -1 skips it. Default: None.
+        ssm_state_indices (torch.Tensor): int32/int64 [N], each sequence's slot; -1 skips it. Or [N, W]
+            (speculative decoding): a slot for each token, the state after token t written to [n, t], -1
+            keeps none. Default: None.
+        num_accepted_tokens (torch.Tensor): int32/int64 [N], with a 2-D ssm_state_indices: sequence n starts
+            from the slot of its token num_accepted_tokens[n] - 1 (1..W). Default: None (the first slot).
         out (torch.Tensor): preallocated o [B, T, HV, V]. Default: None.
 
     Returns:
@@ -240,13 +280,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
     return run("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
-               state_v_first, out)
+               state_v_first, out, num_accepted_tokens)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
-                        state_v_first=False, cu_seqlens=None, ssm_state_indices=None, out=None):
+                        state_v_first=False, cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                        out=None):
     """Kimi Delta Attention token by token, FLA's ``fused_recurrent_kda``, plus the pool form.
 
     Args: as :func:`fused_recurrent_gated_delta_rule`, with g the per-channel log decay [B, T, HV, K].
@@ -255,7 +296,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
     return run("kda", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
-               state_v_first, out)
+               state_v_first, out, num_accepted_tokens)
 
 
 def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
