@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import types
 
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
@@ -150,7 +151,9 @@ def inputs_floor_ms(x: dict) -> float:
 
 
 def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = False) -> dict:
-    """One row: ``shape`` is (B, T, H), or (T, HV) where ``packed``."""
+    """One row: ``shape`` is (B, T, H), or (T, HV) where ``packed``. ``seconds``: how long the row took
+    (inputs, compiles or cache loads, FLA's autotune, the comparisons and the three timings)."""
+    start = time.perf_counter()
     problem, x, row = (packed_inputs if packed else dense_inputs)(variant, dk, dtype, shape)
     try:
         ours, fla = op_calls(ops, variant, x, backend="tuner"), op_calls(fla_ops(), variant, x)
@@ -174,6 +177,7 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
         row["floor_fraction"] = row["floor_ms"] / row["ours_ms"]
     except Exception as e:  # noqa: BLE001 - one failure is a row, the run goes on
         row["error"] = f"{type(e).__name__}: {e}"[:300]
+    row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
 
