@@ -130,8 +130,9 @@ def test_an_inherited_parameter_is_stated_only_where_it_differs():
     wider = {**default, "block_dv_o": 128}
     assert sp.normalise(wider) == wider and violations(problem, wider) == []
     assert digest(wider) != digest(default)
-    # What the search is told: every inherited parameter that applies, at its value.
-    assert sp.stated(default) == {**default, "block_dv_o": 32} and sp.stated(wider) == wider
+    # What the search is told: every inherited (and implicit) parameter that applies, at its value.
+    implicit = {"scores_in": "fragment"}
+    assert sp.stated(default) == {**default, "block_dv_o": 32, **implicit} and sp.stated(wider) == {**wider, **implicit}
     fused = {**sp.default(problem), "split": "fused"}
     assert sp.normalise({**fused, "block_dv_o": 128}) == sp.stated(fused) == fused  # it does not apply
     chunked = [c for c in sp.grid() if c["split"] == "chunked"]

@@ -22,13 +22,16 @@ from tuner.errors import ConstraintError
 from tuner.problem import Problem
 
 KERNELS = {"fused": ["fused"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"], "pre_seq": ["prepare", "sequential"]}
-PLACEMENTS = ("system_in", "wu_in", "decay_in", "qk_in")
-# The placements each split has (pre_seq keeps no W and no Q * exp(gc) tile).
-SPLIT_PLACEMENTS = {"fused": PLACEMENTS, "chunked": PLACEMENTS, "pre_seq": ("system_in", "decay_in")}
+PLACEMENTS = ("system_in", "wu_in", "decay_in", "qk_in", "scores_in")
+# The placements each split has (pre_seq keeps no W and no Q * exp(gc) tile; only the chunked split's
+# output kernel has a placement of its score tile).
+SPLIT_PLACEMENTS = {"fused": PLACEMENTS[:4], "chunked": PLACEMENTS, "pre_seq": ("system_in", "decay_in")}
 # The fastest pre_seq shape on the H200 and one with every pre_seq parameter off its default.
 PRE_SEQ_FAST = {"split": "pre_seq", "block_dv": 32}
 PRE_SEQ_ALL = {"split": "pre_seq", "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True,
                "prepare_chunks": 2}
+# The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
+CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
 
 @pytest.mark.parametrize("dim", [64, 128])
@@ -108,11 +111,32 @@ def test_an_output_block_of_its_own_compiles_clean_and_the_model_knows_its_share
     assert narrow["chunk_state"] == smem["chunk_state"] and narrow["chunk_o"] < smem["chunk_o"]
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_chunked_split_runs_256_threads_with_the_score_tile_in_shared_memory(dim, tmp_path):
+    rendered = rendered_config("gdn", dim, **CHUNKED_256)
+    assert "Attn = T.alloc_shared([C, C], DTYPE)" in rendered.source and "THREADS = 256" in rendered.source
+    report = assert_compiles_clean(rendered, KERNELS["chunked"], tmp_path)
+    smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == smem
+    # With the tile in registers TileLang finds no layout at 256 threads: the space refuses it, saying why.
+    gdn, problem = space.load("gdn"), Problem("gdn", dim, dim)
+    in_registers = gdn.complete(problem, {**CHUNKED_256, "scores_in": "fragment"})
+    assert any("Layout infer conflict" in r for r in violations(problem, in_registers))
+    assert not violations(problem, gdn.complete(problem, CHUNKED_256))
+
+
+def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
+    gdn = space.load("gdn")
+    assert gdn.normalise({**gdn._defaults(), "scores_in": "fragment"}) == gdn.normalise(gdn._defaults())
+    assert "scores_in" not in gdn.normalise({**gdn._defaults(), "split": "pre_seq", "scores_in": "shared"})
+
+
 @cuda
 @pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64}),
                                              ("pre_seq", PRE_SEQ_FAST), ("pre_seq", PRE_SEQ_ALL),
-                                             ("chunked", {"solve": "doubling"})],
-                         ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling"))
+                                             ("chunked", {"solve": "doubling"}), ("chunked", CHUNKED_256)],
+                         ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
+                              "chunked-256"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)

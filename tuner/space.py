@@ -151,7 +151,8 @@ class Space:
                 reasons.append(f"{name} is missing")
         if reasons:
             return reasons
-        env = _ConstraintScope(problem, config, measures)
+        # Inherited and implicit parameters at the values the template reads them as.
+        env = _ConstraintScope(problem, self.stated(config), measures)
         cheap = [c for c in self.constraints if not any(m in c.require for m in MEASURES)]
         for batch in (cheap, [c for c in self.constraints if c not in cheap]):
             for c in batch:
