@@ -19,6 +19,10 @@ and kda's grouped two to a query/key head), one initial state per sequence; ours
 all get the same ``cu_seqlens``. Their shape reads ``packed NxT H<H>/HV<HV>`` (N sequences), apart from
 the dense rows.
 
+gdn's dense rows at D 128 also time FlashQLA (``flash_qla.chunk_gated_delta_rule``, a hand-written
+TileLang GDN forward, with its defaults: its own sequence splitting on) where it is installed
+(``flashqla_ms``; it takes only K = 128), with its output's relative L2 against FLA's.
+
 FLA is timed autotuned at each row's problem, as its stored baselines are: before a row, FLA's kernels
 forget the configs they chose (``tuner.baseline.autotune_fla_at``; their autotune keys leave out
 batch, length and head dims, so they would run the configs of the first shape met), and the row's first
@@ -170,6 +174,8 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
             row[f"{name}_ms"] = timing.median_ms
             # The spread says whether a row's ratio is the kernels' or the run's noise.
             row[f"{name}_p10_p90_ms"] = [timing.p10_ms, timing.p90_ms]
+        if variant == "gdn" and dk == 128 and not packed:
+            row.update(flashqla_columns(x, fla, problem.tolerance))
         row["dispatch_backend"] = best_config(variant, dk, dk, dtype, problem.batch, problem.seqlen, problem.heads,
                                               backend="auto", packed=packed).backend
         row["ratio"] = row["ours_ms"] / row["fla_ms"]
@@ -179,6 +185,25 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
         row["error"] = f"{type(e).__name__}: {e}"[:300]
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
+
+
+def flashqla_columns(x: dict, fla, tolerance: float) -> dict:
+    """FlashQLA's time on the row's inputs and its output's relative L2 against FLA's (``fla``: FLA's
+    timed call); nothing where FlashQLA is not installed, its error where it fails."""
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except ImportError:
+        return {}
+    try:
+        def call():
+            return chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"])
+
+        rel = rel_l2(call()[0], fla()[0])
+        timing = time_forward(call)
+    except Exception as e:  # noqa: BLE001 - FlashQLA's failure is a column of the row, not the row's
+        return {"flashqla_error": f"{type(e).__name__}: {e}"[:300]}
+    return {"flashqla_ms": timing.median_ms, "flashqla_p10_p90_ms": [timing.p10_ms, timing.p90_ms],
+            "flashqla_rel_l2_vs_fla": rel, "flashqla_within_tolerance": rel <= tolerance}
 
 
 def dispatch_vs_best(row: dict) -> float:
@@ -214,6 +239,15 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['variant']:<11}{r['dk']:>4} {shape:<26}{r['ours_ms']:>9.3f}{r['fla_ms']:>9.3f}"
                      f"{r['ratio']:>9.2f}{dispatch}{r['floor_ms']:>9.3f}{r['floor_fraction']:>11.2f}"
                      f"{r['rel_l2_vs_fla']:>9.1e}  {'ok' if r['within_tolerance'] else 'OVER'}")
+    flashqla = [r for r in rows if "flashqla_ms" in r or "flashqla_error" in r]
+    if flashqla:
+        lines += ["", f"{'FlashQLA (gdn D 128)':<31}{'ours ms':>9}{'FlashQLA':>9}{'ours/FQLA':>10}{'relL2 vs FLA':>13}"]
+        for r in flashqla:
+            if "flashqla_error" in r:
+                lines.append(f"{shape_label(r):<31}  error: {r['flashqla_error'][:80]}")
+            elif "ours_ms" in r:
+                lines.append(f"{shape_label(r):<31}{r['ours_ms']:>9.3f}{r['flashqla_ms']:>9.3f}"
+                             f"{r['ours_ms'] / r['flashqla_ms']:>10.2f}{r['flashqla_rel_l2_vs_fla']:>13.1e}")
     return "\n".join(lines)
 
 

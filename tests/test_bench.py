@@ -106,3 +106,45 @@ def test_vs_fla_judges_the_dispatch_against_the_faster_of_ours_and_fla():
     assert "disp/best" in lines[0] and "runs" in lines[0]
     assert "    1.400     1.008  fla" in lines[2] and "4.340    1.389     3.12" in lines[2]
     assert "        -         -  -" in lines[3]
+
+
+def test_vs_fla_times_flashqla_only_where_it_is_installed_and_shows_it_beside_ours(monkeypatch):
+    """gdn's D 128 rows get FlashQLA's column: its time (the call timed as ours is, on the same inputs) and
+    its output against FLA's; nothing where it cannot be imported, its error where its call fails."""
+    import sys
+    import types
+
+    vs_fla = load_vs_fla()
+    x = {name: object() for name in ("q", "k", "v", "g", "beta")} | {"scale": 0.125}
+    fla_o = torch.ones(8, dtype=torch.float64)
+    timed = []
+
+    def fake_time_forward(call):
+        timed.append(call()[0])
+        return types.SimpleNamespace(median_ms=0.40, p10_ms=0.39, p90_ms=0.41)
+
+    monkeypatch.setattr(vs_fla, "time_forward", fake_time_forward)
+    monkeypatch.setitem(sys.modules, "flash_qla", None)  # not installed: import fails
+    assert vs_fla.flashqla_columns(x, lambda: (fla_o, None), 1e-2) == {}
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale):
+        assert (q, k, v, g, beta, scale) == tuple(x[n] for n in ("q", "k", "v", "g", "beta", "scale"))
+        return fla_o * 1.001, None
+
+    monkeypatch.setitem(sys.modules, "flash_qla", types.SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule))
+    cols = vs_fla.flashqla_columns(x, lambda: (fla_o, None), 1e-2)
+    assert cols["flashqla_ms"] == 0.40 and cols["flashqla_p10_p90_ms"] == [0.39, 0.41]
+    assert cols["flashqla_rel_l2_vs_fla"] == pytest.approx(1e-3) and cols["flashqla_within_tolerance"]
+    assert len(timed) == 1
+
+    def broken(*args, **kwargs):
+        raise AssertionError("K must be 128")
+
+    monkeypatch.setitem(sys.modules, "flash_qla", types.SimpleNamespace(chunk_gated_delta_rule=broken))
+    assert vs_fla.flashqla_columns(x, lambda: (fla_o, None), 1e-2) == {"flashqla_error": "AssertionError: K must be 128"}
+
+    row = {"variant": "gdn", "dk": 128, "dv": 128, "dtype": "bf16", "batch": 4, "seqlen": 8192, "heads": 16,
+           "ours_ms": 0.695, "fla_ms": 0.844, "ratio": 0.695 / 0.844, "floor_ms": 0.127, "floor_fraction": 0.18,
+           "rel_l2_vs_fla": 4.7e-3, "within_tolerance": True, **cols}
+    lines = vs_fla.table([row]).splitlines()
+    assert "FlashQLA" in lines[-2] and lines[-1].split() == ["4x8192x16", "0.695", "0.400", "1.74", "1.0e-03"]

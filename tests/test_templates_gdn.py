@@ -30,6 +30,9 @@ SPLIT_PLACEMENTS = {"fused": PLACEMENTS[:4], "chunked": PLACEMENTS, "pre_seq": (
 PRE_SEQ_FAST = {"split": "pre_seq", "block_dv": 32}
 PRE_SEQ_ALL = {"split": "pre_seq", "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True,
                "prepare_chunks": 2}
+# The H200 winner's form: the merged solve in the precompute kernel; and at 32-token chunks (one merge).
+PRE_SEQ_MERGED = {"split": "pre_seq", "solve": "merged", "block_dv": 32}
+PRE_SEQ_MERGED_32 = {**PRE_SEQ_MERGED, "chunk_size": 32}
 # The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
 CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
@@ -67,6 +70,38 @@ def test_pre_seq_every_parameter_compiles_clean_and_the_model_knows_its_shared_m
     report = assert_compiles_clean(rendered, KERNELS["pre_seq"], tmp_path)
     smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
     assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == smem
+
+
+@pytest.mark.parametrize("dim,overrides", [(128, PRE_SEQ_MERGED), (64, PRE_SEQ_MERGED), (128, PRE_SEQ_MERGED_32)],
+                         ids=("128", "64", "128-chunk32"))
+def test_merged_solve_compiles_clean_with_no_square_fp32_system_and_the_model_knows_its_shared_memory(
+        dim, overrides, tmp_path):
+    rendered = rendered_config("gdn", dim, **overrides)
+    prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("def sequential")]
+    # The point of the form: no C x C fp32 copy of the system or its inverse in shared memory.
+    assert "T.alloc_shared([C, C], ACCUM)" not in prepare and "L16_s" in prepare
+    assert ("T.gemm(L32_s, T32_0_s" in prepare) == (overrides.get("chunk_size", 64) == 64)
+    report = assert_compiles_clean(rendered, KERNELS["pre_seq"], tmp_path)
+    smem = {k.name: k.dynamic_smem_bytes for k in report.kernels}
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == smem
+    # Less shared memory than the column solve's precompute kernel, which keeps the system in fp32.
+    column = assert_compiles_clean(rendered_config("gdn", dim, **{**overrides, "solve": "column"}),
+                                   KERNELS["pre_seq"], tmp_path)
+    assert smem["prepare"] < {k.name: k.dynamic_smem_bytes for k in column.kernels}["prepare"]
+
+
+def test_merged_solve_is_refused_outside_the_precompute_kernel_and_in_registers_saying_why(tmp_path):
+    gdn, problem = space.load("gdn"), Problem("gdn", 128, 128)
+    for split in ("fused", "chunked"):
+        reasons = violations(problem, gdn.complete(problem, {"split": split, "solve": "merged"}))
+        assert any("only the precompute kernel" in r for r in reasons), reasons
+    in_registers = gdn.complete(problem, {**PRE_SEQ_MERGED, "system_in": "fragment"})
+    reasons = violations(problem, in_registers)
+    assert len(reasons) == 1 and "StructuralEqual" in reasons[0], reasons
+    # The truth behind the second: emitted without the constraint, TileLang refuses it with that error.
+    report, _, _ = build_kernels(Candidate(problem, in_registers, rendering.render(problem, in_registers)),
+                                 cache_dir=tmp_path)
+    assert report.error and "StructuralEqual()(it->second.indices, indices)" in report.error, report.error
 
 
 def test_pre_seq_parameters_do_not_apply_to_the_other_splits():
@@ -134,9 +169,10 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
 @cuda
 @pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64}),
                                              ("pre_seq", PRE_SEQ_FAST), ("pre_seq", PRE_SEQ_ALL),
-                                             ("chunked", {"solve": "doubling"}), ("chunked", CHUNKED_256)],
+                                             ("chunked", {"solve": "doubling"}), ("chunked", CHUNKED_256),
+                                             ("pre_seq", PRE_SEQ_MERGED), ("pre_seq", PRE_SEQ_MERGED_32)],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
-                              "chunked-256"))
+                              "chunked-256", "pre_seq-merged", "pre_seq-merged-32"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
