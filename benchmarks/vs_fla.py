@@ -28,7 +28,9 @@ forget the configs they chose (``tuner.baseline.autotune_fla_at``; their autotun
 batch, length and head dims, so they would run the configs of the first shape met), and the row's first
 FLA call autotunes there (seconds to minutes for ``chunk_gla`` and ``chunk_kda``), or loads the choice
 that the baseline's timing of the same problem made on this machine, so the row times FLA with the
-configs its stored baseline was timed with; the dispatch column, timed after it, runs FLA with them too. ``--merge`` puts a run's rows into an existing JSON in place of
+configs its stored baseline was timed with; the dispatch column runs FLA with them too. Ours, FLA and the
+dispatch are timed in interleaved rounds (``tuner.bench.time_side_by_side``), so the machine's drift during
+a row falls on all three alike. ``--merge`` puts a run's rows into an existing JSON in place of
 the rows of the same variant, D, dtype and shape, so the table can be measured over several runs.
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch  # noqa: E402
 
 from tuner import best_config, ops  # noqa: E402
 from tuner.baseline import autotune_fla_at, problem_label  # noqa: E402
-from tuner.bench import H200_COPY_GBPS, memory_floor_ms, time_forward  # noqa: E402
+from tuner.bench import H200_COPY_GBPS, memory_floor_ms, time_forward, time_side_by_side  # noqa: E402
 from tuner.inputs import make_inputs  # noqa: E402
 from tuner.problem import Problem, parse_shape  # noqa: E402
 from tuner.variants import VARIANTS  # noqa: E402
@@ -169,8 +171,8 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
         row["within_tolerance"] = all(c["within_tolerance"] for c in row["vs_fla"].values())
         ours, fla = next(iter(ours.values())), next(iter(fla.values()))
         dispatch = next(iter(op_calls(ops, variant, x, backend="auto").values()))
-        for name, call in (("ours", ours), ("fla", fla), ("dispatch", dispatch)):
-            timing = time_forward(call)
+        # Interleaved rounds: the three are compared with each other, so the run's drift falls on all.
+        for name, timing in time_side_by_side({"ours": ours, "fla": fla, "dispatch": dispatch}).items():
             row[f"{name}_ms"] = timing.median_ms
             # The spread says whether a row's ratio is the kernels' or the run's noise.
             row[f"{name}_p10_p90_ms"] = [timing.p10_ms, timing.p90_ms]

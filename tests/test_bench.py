@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tuner.bench import H200_COPY_GBPS, floor_bytes, memory_floor_ms, time_forward
+from tuner.bench import H200_COPY_GBPS, floor_bytes, memory_floor_ms, time_forward, time_side_by_side
 from tuner.problem import Problem
 
 
@@ -45,6 +45,19 @@ def test_host_timing_without_cuda(monkeypatch):
     t = time_forward(lambda: calls.append(1), warmup_ms=0, rep=7)
     assert t.device == "cpu" and t.reps == 7 and len(calls) == 8  # one warm-up call at least
     assert 0 <= t.p10_ms <= t.median_ms <= t.p90_ms
+
+
+def test_side_by_side_timing_interleaves_the_calls_in_rotating_order(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    order = []
+    calls = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    timings = time_side_by_side(calls, warmup_ms=0, rep=6, rounds=3)
+    assert order[:3] == ["a", "b", "c"]  # one warm-up call each
+    timed = order[3:]
+    assert timed == ["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["b"] * 2 + ["c"] * 2 + ["a"] * 2 + ["c"] * 2 + ["a"] * 2 + ["b"] * 2
+    assert all(t.reps == 6 and t.device == "cpu" for t in timings.values()) and list(timings) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="multiple of rounds"):
+        time_side_by_side(calls, rep=10, rounds=3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

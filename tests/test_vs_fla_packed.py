@@ -107,6 +107,7 @@ def recorded(on_cpu, monkeypatch):
         return types.SimpleNamespace(backend="tuner")
 
     monkeypatch.setattr(on_cpu, "time_forward", time_once)
+    monkeypatch.setattr(on_cpu, "time_side_by_side", lambda calls: {name: time_once(fn) for name, fn in calls.items()})
     monkeypatch.setattr(on_cpu, "best_config", lookup)
     return on_cpu, calls
 

@@ -6,6 +6,7 @@ the 10th/90th percentiles of the repetitions.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -15,7 +16,7 @@ import torch
 
 from .problem import Problem
 
-__all__ = ["Timing", "time_forward", "time_module", "memory_floor_ms", "floor_bytes", "H200_COPY_GBPS"]
+__all__ = ["Timing", "time_forward", "time_side_by_side", "time_module", "memory_floor_ms", "floor_bytes", "H200_COPY_GBPS"]
 
 # Device-to-device copy rate measured on the H200 of this project (bytes read + bytes written
 # per second): 4.3 TB/s for large device-to-device copies. The datasheet's 4.8 TB/s is not
@@ -77,41 +78,65 @@ def time_forward(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep: int 
     Returns:
         Timing: median, 10th and 90th percentile in milliseconds.
     """
-    if rep < 1:
-        raise ValueError(f"rep must be >= 1, got {rep}")
-    if not torch.cuda.is_available():
-        return _time_on_host(fn, warmup_ms, rep)
-    with torch.cuda.device(device):
-        flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        while (time.perf_counter() - start) * 1e3 < warmup_ms:
-            fn()
-            torch.cuda.synchronize()
-        begins = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-        for b, e in zip(begins, ends):
-            if flush is not None:
-                flush.zero_()
-            b.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return _timing([b.elapsed_time(e) for b, e in zip(begins, ends)], "cuda")
+    return time_side_by_side({"fn": fn}, warmup_ms=warmup_ms, rep=rep, rounds=1, flush_l2=flush_l2,
+                             device=device)["fn"]
 
 
-def _time_on_host(fn, warmup_ms: float, rep: int) -> Timing:
+def time_side_by_side(calls: dict[str, Callable[[], object]], *, warmup_ms: float = 25.0, rep: int = 100,
+                      rounds: int = 5, flush_l2: bool = True,
+                      device: str | torch.device | None = None) -> dict[str, Timing]:
+    """Time several calls that are to be compared, as :func:`time_forward` times one, in ``rounds``
+    interleaved rounds of ``rep / rounds`` repetitions each (each round in another order), so that a
+    drift of the machine (clocks, the host's load) during the run falls on all of them alike.
+
+    Returns:
+        dict: each name of ``calls`` to its :class:`Timing` over all its ``rep`` repetitions.
+    """
+    if rep < 1 or rounds < 1 or rep % rounds:
+        raise ValueError(f"rep must be a positive multiple of rounds, got rep={rep}, rounds={rounds}")
+    names = list(calls)
+    on_gpu = torch.cuda.is_available()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if on_gpu and flush_l2 else None
+        for name in names:
+            _warm_up(calls[name], warmup_ms, on_gpu)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name] += (_device_times if on_gpu else _host_times)(calls[name], rep // rounds, flush)
+    return {name: _timing(times[name], "cuda" if on_gpu else "cpu") for name in names}
+
+
+def _warm_up(fn, warmup_ms: float, on_gpu: bool) -> None:
     start = time.perf_counter()
-    fn()
-    while (time.perf_counter() - start) * 1e3 < warmup_ms:
+    while True:
         fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+        if (time.perf_counter() - start) * 1e3 >= warmup_ms:
+            return
+
+
+def _device_times(fn, rep: int, flush) -> list[float]:
+    begins = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for b, e in zip(begins, ends):
+        if flush is not None:
+            flush.zero_()
+        b.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [b.elapsed_time(e) for b, e in zip(begins, ends)]
+
+
+def _host_times(fn, rep: int, flush) -> list[float]:
     times = []
     for _ in range(rep):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return _timing(times, "cpu")
+    return times
 
 
 def _timing(times_ms: list[float], device: str) -> Timing:
