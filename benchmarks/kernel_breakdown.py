@@ -40,13 +40,17 @@ class _Timed:
 def breakdown(problem: Problem, config: dict) -> dict[str, float]:
     """Mean milliseconds per forward of each kernel of ``config``."""
     module, kernels = load_kernels(Candidate.from_config(problem, config))
-    x = make_inputs(problem, "default", 0, torch.device("cuda"))
+    return per_kernel_ms(module, kernels, make_inputs(problem, "default", 0, torch.device("cuda")))
+
+
+def per_kernel_ms(module, kernels: dict, inputs: dict) -> dict[str, float]:
+    """Mean milliseconds of each kernel over REPS calls of ``module.forward(kernels, **inputs)``."""
     for _ in range(5):  # warm-up
-        module.forward(kernels, **x)
+        module.forward(kernels, **inputs)
     log = []
     timed = {name: _Timed(name, kernel, log) for name, kernel in kernels.items()}
     for _ in range(REPS):
-        module.forward(timed, **x)
+        module.forward(timed, **inputs)
     torch.cuda.synchronize()
     per_kernel = {}
     for name, start, end in log:

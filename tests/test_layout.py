@@ -130,5 +130,5 @@ def test_a_proposal_is_rendered_once(tmp_path, monkeypatch):
     for row in Store(tmp_path / "r.db").trials():
         if row.status != "constraint":
             assert json.dumps(row.config, sort_keys=True) in rendered
-            twin = candidates.twin_config(row.config)
-            assert twin is None or json.dumps(sp.normalise(twin), sort_keys=True) in rendered
+            twin = sp.unstaged_twin(row.config)
+            assert twin is None or json.dumps(twin, sort_keys=True) in rendered

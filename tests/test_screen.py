@@ -214,3 +214,28 @@ def test_rendered_default_config_passes_the_screen(tmp_path):
     report = compile_source(rendered, tmp_path)
     assert report.kernels and all("__global__" in k.cuda_source for k in report.kernels)
     assert report.rejected == [], report.summary()
+
+
+@needs_nvcc
+def test_role_split_kernel_mbarriers_are_counted(tmp_path):
+    from tuner import space
+    from tuner.candidate import Candidate
+    from tuner.problem import Problem
+
+    problem = Problem("gdn", 128, 128, "bf16")
+    config = space.load("gdn").complete(problem, {"split": "pre_seq", "solve": "merged", "block_dv": 64,
+                                                  "sequential_roles": True, "num_stages": 2})
+    report = compile_source(Candidate.from_config(problem, config), tmp_path)
+    src = next(k for k in report.kernels if k.name == "sequential").cuda_source
+    assert report.ok and "stage_free[0].init(384);" in src and screen(src) == []
+    # Arrivals short of the count (a hang) and beyond it (a phase that completes early) are refused.
+    for init, arrive in ((400, 384), (256, 384)):
+        wrong = src.replace("stage_free[0].init(384);", f"stage_free[0].init({init});").replace(
+            "stage_free[1].init(384);", f"stage_free[1].init({init});")
+        findings = screen(wrong)
+        assert [f.kind for f in findings] == ["mbarrier_arrivals_not_its_count"] and findings[0].rejects
+        assert f"initialised for {init} arrivals a phase and {arrive} threads arrive" in findings[0].message
+    # The producer's arrival is one warp's: moved under its elected thread, one thread arrives.
+    producer = src.index("loaded[(c_3 & 1)].arrive();")
+    elected = src.replace("loaded[(c_3 & 1)].arrive();", "if (tl::tl_shuffle_elect<32>()) { loaded[(c_3 & 1)].arrive(); }")
+    assert producer and "initialised for 32 arrivals a phase and 1 threads arrive" in screen(elected)[0].message

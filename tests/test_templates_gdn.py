@@ -33,6 +33,8 @@ PRE_SEQ_ALL = {"split": "pre_seq", "block_dv": 64, "threads": 256, "solve": "dou
 # The H200 winner's form: the merged solve in the precompute kernel; and at 32-token chunks (one merge).
 PRE_SEQ_MERGED = {"split": "pre_seq", "solve": "merged", "block_dv": 32}
 PRE_SEQ_MERGED_32 = {**PRE_SEQ_MERGED, "chunk_size": 32}
+# The sequential kernel as four warpgroups with roles (two ring buffers), after the merged solve.
+PRE_SEQ_ROLES = {**PRE_SEQ_MERGED, "block_dv": 64, "sequential_roles": True, "num_stages": 2}
 # The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
 CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
@@ -90,6 +92,15 @@ def test_merged_solve_compiles_clean_with_no_square_fp32_system_and_the_model_kn
     assert smem["prepare"] < {k.name: k.dynamic_smem_bytes for k in column.kernels}["prepare"]
 
 
+@pytest.mark.parametrize("decay_in", ["fragment", "shared"])
+def test_merged_precompute_fills_its_decay_table_before_the_scores_read_it(decay_in):
+    prepare = rendered_config("gdn", 128, **{**PRE_SEQ_MERGED, "decay_in": decay_in}).source
+    prepare = prepare[prepare.index("def prepare"):prepare.index("def sequential")]
+    # Filled once, before its first read (the H200 returned NaN in o when the scores came first).
+    assert prepare.count("Gamma[i, j] = ") == 1
+    assert prepare.index("Gamma[i, j] = ") < prepare.index("* Gamma[i, j]")
+
+
 def test_merged_solve_is_refused_outside_the_precompute_kernel_and_in_registers_saying_why(tmp_path):
     gdn, problem = space.load("gdn"), Problem("gdn", 128, 128)
     for split in ("fused", "chunked"):
@@ -104,9 +115,56 @@ def test_merged_solve_is_refused_outside_the_precompute_kernel_and_in_registers_
     assert report.error and "StructuralEqual()(it->second.indices, indices)" in report.error, report.error
 
 
+@pytest.mark.parametrize("dim,block_dv", [(128, 64), (64, 64), (128, 32)])
+def test_role_split_kernel_compiles_clean_and_the_model_knows_its_roles_and_shared_memory(dim, block_dv, tmp_path):
+    rendered = rendered_config("gdn", dim, **{**PRE_SEQ_ROLES, "block_dv": block_dv})
+    report = assert_compiles_clean(rendered, KERNELS["pre_seq"], tmp_path)
+    sequential = next(k for k in report.kernels if k.name == "sequential")
+    assert sequential.threads == 512
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    roles = next(k for k in rendered.kernels if k.name == "sequential").roles
+    # State, new values, output and producer, 128 threads each, caps that share out 64 Ki registers.
+    assert [r.threads for r in roles] == [128] * 4 and sum(r.register_cap for r in roles) == 512
+    # The state role holds DK x block_dv fp32 over its 128 threads, values a C x block_dv tile, output
+    # its C x C scores and then its C x block_dv output tile.
+    assert [r.live_registers for r in roles] == [dim * block_dv / 128, 64 * block_dv / 128, 64 * 64 / 128, 0]
+    # The output role computes the scores: the precompute kernel reads no Q and writes no scores.
+    prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("def sequential")]
+    assert "Q:" not in prepare and "AQK" not in prepare and "GC:" in prepare
+    assert not next(k for k in rendered.prediction.per_kernel if k.name == "sequential").spills
+
+
+def test_the_model_sees_a_role_starved_of_registers_as_ptxas_does(tmp_path):
+    rendered = rendered_config("gdn", 128, **PRE_SEQ_ROLES)
+    # The state role's 64 registers of state alone fill a cap of 64; the loader needs few.
+    source = rendered.source.replace("STATE_REGISTERS = 168", "STATE_REGISTERS = 64").replace(
+        "PRODUCER_REGISTERS = 56", "PRODUCER_REGISTERS = 24")
+    starved = Candidate(rendered.problem, rendered.config, source)
+    predicted = next(k for k in starved.prediction.per_kernel if k.name == "sequential")
+    assert predicted.spills and predicted.budget == 64
+    report, _, _ = build_kernels(starved, cache_dir=tmp_path)
+    assert report.error is None, report.error
+    assert next(k for k in report.kernels if k.name == "sequential").spill_stores > 0
+
+
+def test_role_split_kernel_needs_64_token_chunks_two_ring_buffers_and_dense_batches_saying_why():
+    gdn, problem = space.load("gdn"), Problem("gdn", 128, 128)
+    config = gdn.complete(problem, PRE_SEQ_ROLES)
+    assert not violations(problem, config)
+    for change in ({"chunk_size": 32}, {"block_dv": 128}, {"num_stages": 1}, {"overlap": True},
+                   {"warp_specialized": True}):
+        reasons = violations(problem, {**config, **change})
+        assert reasons and any("64 rows per warpgroup" in r for r in reasons), (change, reasons)
+    packed = gdn.complete(problem, {**PRE_SEQ_ROLES, "packed": True})
+    assert any("dense batches only" in r for r in violations(problem, packed))
+    # The gate compares it with the one-warpgroup kernel, unstaged.
+    assert gdn.unstaged_twin(config) == gdn.complete(problem, {**PRE_SEQ_MERGED, "block_dv": 64, "num_stages": 0})
+
+
 def test_pre_seq_parameters_do_not_apply_to_the_other_splits():
     gdn = space.load("gdn")
-    for name in ("overlap", "prepare_chunks"):
+    for name in ("overlap", "prepare_chunks", "sequential_roles"):
         assert not gdn.active(name, {"split": "chunked"}) and gdn.active(name, {"split": "pre_seq"})
     assert not gdn.active("qk_in", {"split": "pre_seq"}) and not gdn.active("wu_in", {"split": "pre_seq"})
 
@@ -170,9 +228,11 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
 @pytest.mark.parametrize("split,overrides", [("fused", {}), ("chunked", {}), ("chunked", {"block_dv_o": 64}),
                                              ("pre_seq", PRE_SEQ_FAST), ("pre_seq", PRE_SEQ_ALL),
                                              ("chunked", {"solve": "doubling"}), ("chunked", CHUNKED_256),
-                                             ("pre_seq", PRE_SEQ_MERGED), ("pre_seq", PRE_SEQ_MERGED_32)],
+                                             ("pre_seq", PRE_SEQ_MERGED), ("pre_seq", PRE_SEQ_MERGED_32),
+                                             ("pre_seq", PRE_SEQ_ROLES), ("pre_seq", {**PRE_SEQ_MERGED, "decay_in": "shared"})],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
-                              "chunked-256", "pre_seq-merged", "pre_seq-merged-32"))
+                              "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
+                              "pre_seq-merged-table"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)

@@ -70,11 +70,6 @@ class Candidate:
         return model.predict(self.kernels, self.problem.variant)
 
 
-def twin_config(config: dict) -> dict | None:
-    """The ``num_stages = 0`` twin of a staged config; None for an unstaged config."""
-    return {**config, "num_stages": 0} if config.get("num_stages", 0) > 0 else None
-
-
 def violations(problem: Problem, config: dict) -> list[str]:
     """The reasons ``config`` is refused for ``problem`` (empty when valid), rendering it only when
     the space's constraints need a measure of the kernel."""
@@ -108,8 +103,9 @@ def _checked(problem: Problem, items: tuple, space_id: int) -> tuple[tuple[str, 
     if reasons:
         return tuple(reasons), None
     twin = None
-    if twin_config(config) is not None:
-        twin_reasons, twin = check(problem, twin_config(config))
+    twin_config = spaces.load(problem.variant).unstaged_twin(config)
+    if twin_config is not None:
+        twin_reasons, twin = check(problem, twin_config)
         if twin_reasons:
             return (f"its num_stages = 0 twin, which the gate compares it with, is refused: {'; '.join(twin_reasons)}",), None
     return (), Candidate(problem, config, sources[0] if sources else render(problem, config), twin)

@@ -50,6 +50,9 @@ class Parameter:
     caller_default: tuple = ()
     # Stated by a config only off its default (added after configs were stored; the template reads it unstated).
     implicit_default: bool = False
+    # The value in a staged config's num_stages = 0 twin (a form that cannot run unstaged is compared
+    # with one that can); None: the config's own.
+    unstaged: Any = None
 
     @property
     def accepted(self) -> tuple:
@@ -112,6 +115,16 @@ class Space:
             elif p.implicit_default and name not in out and self.active(name, out):
                 out[name] = p.default
         return {n: out[n] for n in self.params if n in out}
+
+    def unstaged_twin(self, config: dict) -> dict | None:
+        """The ``num_stages = 0`` twin of a staged config, which the gate compares it with
+        (pipelining can miscompile), with each parameter that declares an ``unstaged`` value at
+        it; None for an unstaged config."""
+        if config.get("num_stages", 0) == 0:
+            return None
+        twin = {**config, "num_stages": 0}
+        twin.update({n: p.unstaged for n, p in self.params.items() if p.unstaged is not None and n in config})
+        return self.normalise(twin)
 
     def complete(self, problem: Problem, overrides: dict) -> dict:
         """The default config with ``overrides`` (name -> value, possibly strings) applied."""
@@ -251,7 +264,7 @@ def load(variant: str) -> Space:
     params = {
         name: Parameter(name, tuple(p["values"]), p.get("default"), p.get("doc", ""), p.get("when"), p.get("inherit"),
                         tuple(p.get("caller_values", ())), tuple(p.get("caller_default", {}).items()),
-                        bool(p.get("implicit_default", False)))
+                        bool(p.get("implicit_default", False)), p.get("unstaged"))
         for name, p in doc["parameters"].items()
     }
     constraints = tuple(Constraint(c["require"], c["reason"], c.get("when")) for c in doc.get("constraints", ()))

@@ -65,7 +65,8 @@ class KernelPrediction:
             busiest step, and by locals (:attr:`Kernel.live_registers`).
         registers (int): the predicted register demand per thread.
         budget (int): the registers a thread may use before spilling: 240 for the consumers
-            under ``setmaxnreg``, else what the launch bounds leave (:func:`launch_register_cap`).
+            under TileLang's ``setmaxnreg``, the cap of the computing role with the least room in a kernel
+            split into roles by hand, else what the launch bounds leave (:func:`launch_register_cap`).
         spills (bool): demand above the budget.
         wgmma_serialized (bool): demand near the budget with wgmma accumulators in fragments (C7512).
         smem_bytes (int): dynamic shared memory.
@@ -131,17 +132,30 @@ def launch_register_cap(threads: int) -> int:
 
 
 def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
-    """The model's figures for one parsed kernel with the given fitted terms."""
-    fragments = kernel.live_registers
+    """The model's figures for one parsed kernel with the given fitted terms. A kernel split into
+    roles by hand is judged by its computing role with the least room: each role's fragments over
+    its own threads against the cap its ``setmaxnreg`` sets (ptxas on gdn's role-split kernel: the
+    state role, 64 fragment registers, spills at a cap of 88 and not at 96; the TMA loader holds no
+    fragment and compiles clean at 24, the least setmaxnreg takes)."""
+    margin = fitted["spill_margin"]
+    if kernel.roles:
+        # Only the roles that hold fragments compute; a loader role fits the smallest cap.
+        computing = [r for r in kernel.roles if r.live_registers] or list(kernel.roles)
+        role = max(computing, key=lambda r: fitted["fragment_scale"] * r.live_registers - r.register_cap)
+        fragments, budget = role.live_registers, role.register_cap
+        # ptxas allocates a role no more than its cap: demand above it spills.
+        margin = 0
+    else:
+        fragments = kernel.live_registers
+        budget = WS_CONSUMER_REGISTERS if kernel.setmaxnreg else launch_register_cap(kernel.launch_threads)
     demand = math.ceil(fitted["fragment_scale"] * fragments + fitted["overhead"]
                        + fitted.get("pipeline_overhead", 0) * kernel.unspecialised_pipeline)
-    budget = WS_CONSUMER_REGISTERS if kernel.setmaxnreg else launch_register_cap(kernel.launch_threads)
     wgmma = bool(kernel.wgmma_accumulators) and demand > budget - fitted["wgmma_margin"]
     threads = kernel.launch_threads
     return KernelPrediction(
         name=kernel.name, threads=threads, fragment_registers=fragments, registers=demand, budget=budget,
-        spills=demand > budget + fitted["spill_margin"], wgmma_serialized=wgmma,
-        smem_bytes=kernel.smem_plan[0], spill_margin=fitted["spill_margin"],
+        spills=demand > budget + margin, wgmma_serialized=wgmma,
+        smem_bytes=kernel.smem_plan[0], spill_margin=margin,
     )
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import ast
 import functools
 import math
-import operator
 from dataclasses import dataclass
 
 from . import smem
+from .expressions import bind_constants, call_name, evaluate, leaf_steps, names
+from .roles import Role, read_roles
 
 DTYPE_BYTES = {
     "float32": 4, "float": 4, "int32": 4, "uint32": 4,
@@ -75,6 +76,8 @@ class Kernel:
         warp_specialized (bool): warp specialisation is not disabled by its pass configs.
         aggressive_merge (bool): ``tl.enable_aggressive_shared_memory_merge``: shared buffers are
             live per leaf statement, not per top-level statement, and share memory inside loops.
+        roles (tuple[Role, ...]): the warpgroup roles of a kernel split by hand, in source order;
+            empty for the others.
     """
 
     name: str
@@ -92,6 +95,7 @@ class Kernel:
     pipeline_steps: tuple[int, int] | None
     warp_specialized: bool
     aggressive_merge: bool
+    roles: tuple[Role, ...] = ()
 
     @functools.cached_property
     def live_registers(self) -> float:
@@ -157,65 +161,8 @@ class Kernel:
         return self.producer_consumer and not self.thread_loads
 
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-
-
-def _evaluate(node: ast.AST, env: dict):
-    """The value of a constant expression over ``env``; KeyError/ValueError when it has none."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name):
-        return env[node.id]
-    if _attr(node) is not None:  # a dtype spelled T.float32
-        return _attr(node)
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        return _BINOPS[type(node.op)](_evaluate(node.left, env), _evaluate(node.right, env))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_evaluate(node.operand, env)
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_evaluate(e, env) for e in node.elts]
-    if isinstance(node, ast.Dict):
-        return {_evaluate(k, env): _evaluate(v, env) for k, v in zip(node.keys, node.values)}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
-        merged = {}
-        for arg in node.args:
-            merged.update(_evaluate(arg, env))
-        for kw in node.keywords:
-            merged.update(_evaluate(kw.value, env) if kw.arg is None else {kw.arg: _evaluate(kw.value, env)})
-        return merged
-    if isinstance(node, ast.Call) and _attr(node.func) == "ceildiv" and len(node.args) == 2:
-        a, b = (_evaluate(x, env) for x in node.args)
-        return -(-a // b)
-    raise ValueError(f"not a constant expression: {ast.unparse(node)}")
-
-
-def _attr(func: ast.AST) -> str | None:
-    """``name`` of a call target ``T.name``."""
-    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "T":
-        return func.attr
-    return None
-
-
-def _bind_constants(statements: list[ast.stmt], env: dict) -> None:
-    """Add every ``NAME = <constant expression>`` among ``statements`` to ``env``."""
-    for stmt in statements:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
-            continue
-        target = stmt.targets[0]
-        pairs = [(target, stmt.value)]
-        if isinstance(target, ast.Tuple) and isinstance(stmt.value, ast.Tuple):
-            pairs = list(zip(target.elts, stmt.value.elts, strict=True))
-        for name, value in pairs:
-            if isinstance(name, ast.Name):
-                try:
-                    env[name.id] = _evaluate(value, env)
-                except (KeyError, ValueError, TypeError, ZeroDivisionError):
-                    pass
-
-
 def _is_prim_func(fn: ast.FunctionDef) -> bool:
-    return any(_attr(d) == "prim_func" for d in fn.decorator_list)
+    return any(call_name(d) == "prim_func" for d in fn.decorator_list)
 
 
 def _programs(tree: ast.Module, env: dict) -> list[tuple[str, ast.FunctionDef, ast.FunctionDef, dict]]:
@@ -237,21 +184,17 @@ def _programs(tree: ast.Module, env: dict) -> list[tuple[str, ast.FunctionDef, a
             outer, wanted = programs, func_node.id
         prim = next(n for n in outer.body if isinstance(n, ast.FunctionDef) and _is_prim_func(n)
                     and wanted in (None, n.name))
-        entries.append((_evaluate(name_node, env), prim, outer, _evaluate(configs_node, env)))
+        entries.append((evaluate(name_node, env), prim, outer, evaluate(configs_node, env)))
     return entries
 
 
 def _kernel_block(prim: ast.FunctionDef) -> ast.With:
     for node in ast.walk(prim):
         if isinstance(node, ast.With) and any(
-            isinstance(i.context_expr, ast.Call) and _attr(i.context_expr.func) == "Kernel" for i in node.items
+            isinstance(i.context_expr, ast.Call) and call_name(i.context_expr.func) == "Kernel" for i in node.items
         ):
             return node
     raise ValueError(f"{prim.name}: no `with T.Kernel(...)` block")
-
-
-def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
 def _reads(node: ast.AST) -> set[str]:
@@ -280,24 +223,7 @@ def _sequential(loop: ast.For) -> bool:
     """A loop whose iterations run one after another in each thread (``T.Pipelined``,
     ``T.serial``, ``range``), not a ``T.Parallel``/``T.unroll`` loop spread over threads or unrolled."""
     return isinstance(loop.iter, ast.Call) and (
-        _attr(loop.iter.func) in ("Pipelined", "serial") or getattr(loop.iter.func, "id", None) == "range")
-
-
-def _steps(statements: list[ast.stmt], steps: list, loops: list) -> None:
-    """Append the leaf statements of ``statements`` to ``steps`` in program order, every loop and
-    branch opened up (the merge pass's unit of liveness under the aggressive merge); each loop's
-    ``(first step, last step, loop node)`` goes to ``loops``."""
-    for stmt in statements:
-        if isinstance(stmt, ast.For):
-            first = len(steps)
-            _steps(stmt.body, steps, loops)
-            loops.append((first, len(steps) - 1, stmt))
-        elif isinstance(stmt, ast.If):
-            _steps(stmt.body + stmt.orelse, steps, loops)
-        elif isinstance(stmt, ast.With):
-            _steps(stmt.body, steps, loops)
-        else:
-            steps.append(stmt)
+        call_name(loop.iter.func) in ("Pipelined", "serial") or getattr(loop.iter.func, "id", None) == "range")
 
 
 def _top_level(statements: list[ast.stmt], threads: int, env: dict) -> list[ast.stmt]:
@@ -307,7 +233,7 @@ def _top_level(statements: list[ast.stmt], threads: int, env: dict) -> list[ast.
     than threads become a guarded branch, one statement too)."""
     out = []
     for stmt in statements:
-        kind = _attr(stmt.iter.func) if isinstance(stmt, ast.For) and isinstance(stmt.iter, ast.Call) else None
+        kind = call_name(stmt.iter.func) if isinstance(stmt, ast.For) and isinstance(stmt.iter, ast.Call) else None
         if kind == "unroll" or (kind == "Parallel" and _iterations(stmt.iter, env) == threads):
             out += _top_level(stmt.body, threads, env)
         else:
@@ -318,7 +244,7 @@ def _top_level(statements: list[ast.stmt], threads: int, env: dict) -> list[ast.
 def _iterations(call: ast.Call, env: dict) -> float:
     """Iterations of a ``T.Parallel(extents...)`` loop; infinite when an extent is not constant."""
     try:
-        return math.prod(_evaluate(a, env) for a in call.args)
+        return math.prod(evaluate(a, env) for a in call.args)
     except (KeyError, ValueError, TypeError):
         return math.inf
 
@@ -326,27 +252,27 @@ def _iterations(call: ast.Call, env: dict) -> float:
 def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, configs: dict, env: dict) -> Kernel:
     """Read one prim_func: buffers, copies, GEMMs, the pipelined loop and live ranges."""
     env = dict(env)
-    _bind_constants(outer.body, env)
+    bind_constants(outer.body, env)
     block = _kernel_block(prim)
-    launch = next(i.context_expr for i in block.items if _attr(i.context_expr.func) == "Kernel")
-    threads = next((_evaluate(k.value, env) for k in launch.keywords if k.arg == "threads"), 128)
-    _bind_constants(block.body, env)
+    launch = next(i.context_expr for i in block.items if call_name(i.context_expr.func) == "Kernel")
+    threads = next((evaluate(k.value, env) for k in launch.keywords if k.arg == "threads"), 128)
+    bind_constants(block.body, env)
     # Global tensors: the parameters annotated `T.Tensor(...)` (scalars such as `scale` are not).
     params = {a.arg for a in prim.args.args
-              if isinstance(a.annotation, ast.Call) and _attr(a.annotation.func) in ("Tensor", "Buffer")}
+              if isinstance(a.annotation, ast.Call) and call_name(a.annotation.func) in ("Tensor", "Buffer")}
 
     nodes = list(ast.walk(block))
     buffers = []
     for node in nodes:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _attr(node.value.func) in ALLOCATORS:
-            call, scope = node.value, ALLOCATORS[_attr(node.value.func)]
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and call_name(node.value.func) in ALLOCATORS:
+            call, scope = node.value, ALLOCATORS[call_name(node.value.func)]
             args = list(call.args) + [k.value for k in call.keywords if k.arg in ("shape", "dtype")]
             if scope == "var":
                 shape, dtype = (), args[0]
             else:
-                shape, dtype = _evaluate(args[0], env), args[1]
+                shape, dtype = evaluate(args[0], env), args[1]
                 shape = tuple(shape) if isinstance(shape, (list, tuple)) else (shape,)
-            buffers.append(Buffer(node.targets[0].id, scope, tuple(int(s) for s in shape), _evaluate(dtype, env)))
+            buffers.append(Buffer(node.targets[0].id, scope, tuple(int(s) for s in shape), evaluate(dtype, env)))
     shared = {b.name for b in buffers if b.scope == "shared"}
 
     # A T.copy between global and shared memory can be a TMA copy when its global slice is
@@ -356,15 +282,15 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
     store_tma, load_tma, loads, thread_loads = set(), set(), set(), set()
     num_stages = None
     for node in nodes:
-        if isinstance(node, ast.Call) and _attr(node.func) == "copy" and len(node.args) >= 2:
+        if isinstance(node, ast.Call) and call_name(node.func) == "copy" and len(node.args) >= 2:
             src, dst = (_subscripted(a) for a in node.args[:2])
             if dst in params and src in shared and _tma_slice(node.args[1], buffers, src):
                 store_tma.add(src)
-        if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and _attr(node.iter.func) == "Pipelined":
+        if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and call_name(node.iter.func) == "Pipelined":
             stages = next((k.value for k in node.iter.keywords if k.arg == "num_stages"), None)
-            num_stages = _evaluate(stages, env) if stages is not None else 0
+            num_stages = evaluate(stages, env) if stages is not None else 0
             for inner in ast.walk(node):
-                if isinstance(inner, ast.Call) and _attr(inner.func) == "copy" and len(inner.args) >= 2:
+                if isinstance(inner, ast.Call) and call_name(inner.func) == "copy" and len(inner.args) >= 2:
                     src, dst = (_subscripted(a) for a in inner.args[:2])
                     if src in params and dst in shared:
                         loads.add(dst)
@@ -383,7 +309,7 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
     by_name = {b.name: b for b in buffers}
     wgmma_shared, accumulators = set(), set()
     for node in nodes:
-        if isinstance(node, ast.Call) and _attr(node.func) == "gemm" and len(node.args) >= 3:
+        if isinstance(node, ast.Call) and call_name(node.func) == "gemm" and len(node.args) >= 3:
             a, b, c = (by_name.get(_subscripted(x)) for x in node.args[:3])
             if None in (a, b, c):
                 continue
@@ -394,10 +320,10 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
 
     allocated = {b.name for b in buffers}
     body = [s for s in block.body if not (isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
-                                          and _attr(s.value.func) in ALLOCATORS)]
+                                          and call_name(s.value.func) in ALLOCATORS)]
     uses: dict[str, tuple[int, int]] = {}
     for index, stmt in enumerate(_top_level(body, threads, env)):
-        for buf in _names(stmt) & allocated:
+        for buf in names(stmt) & allocated:
             first, _ = uses.get(buf, (index, index))
             uses[buf] = (first, index)
 
@@ -407,7 +333,7 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
     # writes (2i + 1), so its target may take the bytes of a buffer it reads for the last time.
     steps: list[ast.stmt] = []
     loops: list[tuple[int, int, ast.For]] = []
-    _steps(body, steps, loops)
+    leaf_steps(body, steps, loops)
     live: dict[str, tuple[int, int]] = {}
 
     def touch(names: set[str], position: int) -> None:
@@ -417,23 +343,24 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
     for index, stmt in enumerate(steps):
         target = stmt.targets[0] if isinstance(stmt, ast.Assign) else getattr(stmt, "target", None)
         if isinstance(target, ast.Subscript):
-            reads = _names(stmt.value) | _names(target.slice)
+            reads = names(stmt.value) | names(target.slice)
             if isinstance(stmt, ast.AugAssign):
-                reads |= _names(target.value)
+                reads |= names(target.value)
             touch(reads, 2 * index)
-            touch(_names(target.value), 2 * index + 1)
+            touch(names(target.value), 2 * index + 1)
         else:
-            touch(_names(stmt), 2 * index)
+            touch(names(stmt), 2 * index)
     for buf, (first, last) in live.items():
         for start, end, loop in loops:
             if _sequential(loop) and 2 * start <= last <= 2 * end + 1 and not 2 * start <= first <= 2 * end + 1:
                 last = max(last, 2 * end + 1)
         live[buf] = (first, last)
     pipeline_steps = next(((2 * a, 2 * b + 1) for a, b, loop in loops
-                           if isinstance(loop.iter, ast.Call) and _attr(loop.iter.func) == "Pipelined"), None)
+                           if isinstance(loop.iter, ast.Call) and call_name(loop.iter.func) == "Pipelined"), None)
 
     return Kernel(
         name=name, threads=int(threads), buffers=tuple(buffers), num_stages=num_stages,
+        roles=read_roles(body, int(threads), env, buffers, steps, live),
         pipeline_loads=frozenset(loads), thread_loads=frozenset(thread_loads),
         tma_loads=frozenset(load_tma if producer_consumer else ()), tma_stores=frozenset(store_tma),
         wgmma_shared=frozenset(wgmma_shared), wgmma_accumulators=frozenset(accumulators), uses=uses,
@@ -454,5 +381,5 @@ def parse_kernels(source: str) -> tuple[Kernel, ...]:
     """
     tree = ast.parse(source)
     env: dict = {}
-    _bind_constants(tree.body, env)
+    bind_constants(tree.body, env)
     return tuple(_parse_kernel(*entry, env) for entry in _programs(tree, env))

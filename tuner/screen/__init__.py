@@ -10,6 +10,11 @@ of the enclosing branches over ``threadIdx.x`` in ``range(block size)`` (an ``el
 conditions of its chain, nested branches combine) and rejects when fewer threads enter than the
 barrier waits for. A condition that does not depend on the thread index is uniform and ignored.
 
+The same count is made for the mbarriers a kernel initialises itself (hand-made roles): every
+thread that reaches an arrival at an array's barrier arrives once per phase, so the threads over
+all its arrival sites must be the count the array was initialised with. Fewer, and the phase
+never completes (a hang); more, and it completes before the arrivals it was meant to wait for.
+
 A thread-dependent condition the evaluator cannot read (a loop variable, a value loaded from
 memory, ``threadIdx.y``) yields a ``cannot_evaluate`` finding that does NOT reject: a false
 rejection throws away a config for good, while a missed deadlock costs one watchdog timeout in
@@ -26,12 +31,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .condition import CannotEvaluate, evaluate_condition
-from .source import Kernel, barriers, blank_comments_and_strings, branches, integer_definitions, kernels, line_of
+from .source import Kernel, barriers, blank_comments_and_strings, branches, integer_definitions, kernels, line_of, mbarriers
 
 __all__ = ["Finding", "screen", "CannotEvaluate", "evaluate_condition"]
 
 # Finding kinds.
 PARTIAL_BARRIER = "barrier_in_partial_branch"
+MBARRIER_COUNT = "mbarrier_arrivals_not_its_count"
 CANNOT_EVALUATE = "cannot_evaluate"
 
 
@@ -46,7 +52,7 @@ class Finding:
 
     @property
     def rejects(self) -> bool:
-        return self.kind == PARTIAL_BARRIER
+        return self.kind in (PARTIAL_BARRIER, MBARRIER_COUNT)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,6 +97,19 @@ def _screen_kernel(src: str, text: str, kernel: Kernel, block: int) -> list[Find
     definitions = integer_definitions(text[kernel.body_start:kernel.body_end])
     tx = np.arange(block, dtype=np.int64)
     findings = []
+
+    def entered(pos: int) -> tuple[np.ndarray, tuple | None]:
+        """The threads that reach offset ``pos``, and the innermost thread-dependent condition."""
+        mask, innermost = np.ones(block, dtype=bool), None
+        for branch in sorted((b for b in kernel_branches if b.start <= pos < b.end), key=lambda b: b.start):
+            for cond, wanted in branch.conditions:
+                cond_mask = evaluate_condition(cond, tx, definitions)
+                if cond_mask is None:
+                    continue  # uniform across the block
+                mask &= cond_mask if wanted else ~cond_mask
+                innermost = (cond, wanted, branch.line)
+        return mask, innermost
+
     for barrier in barriers(src, text, kernel.body_start, kernel.body_end):
         line = line_of(text, barrier.pos)
         if not barrier.count_is_constant:
@@ -98,21 +117,13 @@ def _screen_kernel(src: str, text: str, kernel: Kernel, block: int) -> list[Find
                                     kernel.name))
             continue
         waits_for = block if barrier.count is None else barrier.count
-        entered = np.ones(block, dtype=bool)
-        innermost = None
         try:
-            for branch in sorted((b for b in kernel_branches if b.start <= barrier.pos < b.end), key=lambda b: b.start):
-                for cond, wanted in branch.conditions:
-                    mask = evaluate_condition(cond, tx, definitions)
-                    if mask is None:
-                        continue  # uniform across the block
-                    entered &= mask if wanted else ~mask
-                    innermost = (cond, wanted, branch.line)
+            mask, innermost = entered(barrier.pos)
         except CannotEvaluate as e:
             findings.append(Finding(CANNOT_EVALUATE, line, f"{barrier.text} inside a branch whose condition "
                                                            f"cannot be evaluated ({e})", kernel.name))
             continue
-        count = int(entered.sum())
+        count = int(mask.sum())
         if count < waits_for:
             cond, wanted, cond_line = innermost
             where = f"if ({cond})" if wanted else f"else of if ({cond})"
@@ -120,4 +131,19 @@ def _screen_kernel(src: str, text: str, kernel: Kernel, block: int) -> list[Find
                                     f"barrier for {waits_for} threads inside a branch entered by {count} threads: "
                                     f"{barrier.text} under `{where}` (line {cond_line}), block of {block}",
                                     kernel.name))
+    arrays, arrivals = mbarriers(text, kernel.body_start, kernel.body_end)
+    for name, waits_for in arrays.items():
+        sites = [a for a in arrivals if a.name == name]
+        try:
+            per_site = [int(entered(a.pos)[0].sum()) for a in sites]
+        except CannotEvaluate as e:
+            findings.append(Finding(CANNOT_EVALUATE, kernel.line, f"mbarrier {name}: an arrival inside a branch "
+                                                                  f"whose condition cannot be evaluated ({e})",
+                                    kernel.name))
+            continue
+        if sum(per_site) != waits_for:
+            where = ", ".join(f"{n} at line {line_of(text, a.pos)}" for a, n in zip(sites, per_site)) or "none"
+            findings.append(Finding(MBARRIER_COUNT, line_of(text, sites[0].pos) if sites else kernel.line,
+                                    f"mbarrier {name} is initialised for {waits_for} arrivals a phase and "
+                                    f"{sum(per_site)} threads arrive ({where}), block of {block}", kernel.name))
     return findings

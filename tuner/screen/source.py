@@ -243,6 +243,35 @@ def barriers(src: str, text: str, start: int, end: int) -> list[Barrier]:
     return sorted(found, key=lambda b: b.pos)
 
 
+_MBAR_INIT_RE = re.compile(r"\b(\w+)\s*\[\s*(\d+)\s*\]\s*\.\s*init\s*\(\s*(\d+)\s*\)")
+_MBAR_ARRIVE_RE = re.compile(r"\b(\w+)\s*\[[^;]*?\]\s*\.\s*(arrive|arrive_and_expect_tx)\s*\(")
+# TileLang's own pipeline barriers: one array of several arrive counts, indexed by stage and role.
+_TILELANG_MBARRIERS = "mbarrier"
+
+
+@dataclass(frozen=True)
+class MBarrierArrival:
+    """An arrival at one of the mbarriers of array ``name`` (``name[i].arrive()`` or
+    ``.arrive_and_expect_tx(bytes)``), at offset ``pos``; each thread that reaches it arrives once."""
+
+    pos: int
+    name: str
+    text: str
+
+
+def mbarriers(text: str, start: int, end: int) -> tuple[dict[str, int], list[MBarrierArrival]]:
+    """The mbarrier arrays a kernel body initialises with one arrive count for every entry
+    (name -> count), and the arrivals at them, in source order. TileLang's own pipeline barriers
+    (one array of several counts) are left out: their arrivals are not one per phase per site."""
+    counts: dict[str, set[int]] = {}
+    for m in _MBAR_INIT_RE.finditer(text, start, end):
+        counts.setdefault(m.group(1), set()).add(int(m.group(3)))
+    arrays = {name: c.pop() for name, c in counts.items() if len(c) == 1 and name != _TILELANG_MBARRIERS}
+    arrivals = [MBarrierArrival(m.start(), m.group(1), m.group(0).rstrip("("))
+                for m in _MBAR_ARRIVE_RE.finditer(text, start, end) if m.group(1) in arrays]
+    return arrays, arrivals
+
+
 def _split_template_args(s: str) -> list[str]:
     args, depth, cur = [], 0, ""
     for c in s:
