@@ -65,8 +65,9 @@ class KernelPrediction:
             busiest step, and by locals (:attr:`Kernel.live_registers`).
         registers (int): the predicted register demand per thread.
         budget (int): the registers a thread may use before spilling: 240 for the consumers
-            under TileLang's ``setmaxnreg``, the cap of the computing role with the least room in a kernel
-            split into roles by hand, else what the launch bounds leave (:func:`launch_register_cap`).
+            under TileLang's ``setmaxnreg``, the cap of the computing role with the least room in a
+            kernel split into roles by hand, else what the launch bounds leave
+            (:func:`launch_register_cap`).
         spills (bool): demand above the budget.
         wgmma_serialized (bool): demand near the budget with wgmma accumulators in fragments (C7512).
         smem_bytes (int): dynamic shared memory.

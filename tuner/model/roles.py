@@ -64,7 +64,8 @@ def read_roles(body: list[ast.stmt], threads: int, env: dict, buffers: list["Buf
                 return ()
             leaves: list[ast.stmt] = []
             leaf_steps(branch, leaves, [])
-            positions = [2 * i + j for i, leaf in enumerate(steps) if any(leaf is x for x in leaves) for j in (0, 1)]
+            in_branch = {id(leaf) for leaf in leaves}
+            positions = [2 * i + j for i, leaf in enumerate(steps) if id(leaf) in in_branch for j in (0, 1)]
             named = set().union(*(names(x) for x in branch))
             fragments = [b for b in buffers if b.scope == "fragment" and b.name in named and b.name in live]
             busiest = max((sum(b.nbytes / 4 / (end - start) for b in fragments

@@ -244,7 +244,7 @@ def barriers(src: str, text: str, start: int, end: int) -> list[Barrier]:
 
 
 _MBAR_INIT_RE = re.compile(r"\b(\w+)\s*\[\s*(\d+)\s*\]\s*\.\s*init\s*\(\s*(\d+)\s*\)")
-_MBAR_ARRIVE_RE = re.compile(r"\b(\w+)\s*\[[^;]*?\]\s*\.\s*(arrive|arrive_and_expect_tx)\s*\(")
+_MBAR_ARRIVE_RE = re.compile(r"\b(\w+)\s*\[[^;]*?\]\s*\.\s*(?:arrive|arrive_and_expect_tx)\s*\(")
 # TileLang's own pipeline barriers: one array of several arrive counts, indexed by stage and role.
 _TILELANG_MBARRIERS = "mbarrier"
 
@@ -256,7 +256,6 @@ class MBarrierArrival:
 
     pos: int
     name: str
-    text: str
 
 
 def mbarriers(text: str, start: int, end: int) -> tuple[dict[str, int], list[MBarrierArrival]]:
@@ -267,7 +266,7 @@ def mbarriers(text: str, start: int, end: int) -> tuple[dict[str, int], list[MBa
     for m in _MBAR_INIT_RE.finditer(text, start, end):
         counts.setdefault(m.group(1), set()).add(int(m.group(3)))
     arrays = {name: c.pop() for name, c in counts.items() if len(c) == 1 and name != _TILELANG_MBARRIERS}
-    arrivals = [MBarrierArrival(m.start(), m.group(1), m.group(0).rstrip("("))
+    arrivals = [MBarrierArrival(m.start(), m.group(1))
                 for m in _MBAR_ARRIVE_RE.finditer(text, start, end) if m.group(1) in arrays]
     return arrays, arrivals
 
