@@ -21,7 +21,8 @@ from tuner.compile import load_kernels
 from tuner.inputs import make_inputs
 from tuner.problem import Problem, parse_shape
 
-ROLES = {"split": "pre_seq", "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2}
+ROLES = {"split": "pre_seq", "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+         "gc_loads": "once", "fast_math": True}
 O_STORE = ("for i, j in T.Parallel(C, BLOCK_DV):\n                        O_s[i, j] = acc_o[i, j] * scale\n"
            "                    T.copy(O_s, O[bb, c * C:(c + 1) * C, bh, dv0:dv0 + BLOCK_DV])")
 SCORES = ("for i, j in T.Parallel(C, C):\n                        Attn_s[i, j] = T.if_then_else(j <= i, QK[i, j] * "

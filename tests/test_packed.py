@@ -14,6 +14,8 @@ lengths.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from packed_checks import (CONFIGS, PACKED, VARIANTS, Launched, bounds_of, compiled_configs, counted_index,
@@ -61,7 +63,8 @@ def tolerance(variant):
 @pytest.mark.parametrize("variant,dim,config", [
     pytest.param(variant, dim, name, id=f"{variant}-k{dim}" + ("" if name == "default" else f"-{name}"))
     for variant, dim, name in [("gdn", 64, "default"), ("gdn", 128, "default"), ("gdn", 128, "all"),
-                               ("gdn", 128, "chunked"), ("kda", 64, "default"), ("kda", 128, "default"),
+                               ("gdn", 128, "chunked"), ("gdn", 64, "roles"), ("gdn", 128, "roles"),
+                               ("kda", 64, "default"), ("kda", 128, "default"),
                                ("kda", 128, "all"), ("kda", 64, "chunked"), ("kda", 128, "chunked"),
                                ("kda", 128, "chunked-all")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
@@ -82,6 +85,25 @@ def test_every_token_load_and_store_is_masked_at_the_sequence_end(variant, confi
     assert read == READ[variant][split]
     assert written == dict.fromkeys(WRITTEN[variant][split], "if c * C + i < seqlen:")
     assert "h = hv // (HV // H)" in source  # grouped value heads: q and k read at the query/key head
+
+
+def test_the_role_split_kernel_copies_whole_tiles_of_whole_chunks_only():
+    """Its producer loads a chunk by TMA, and its output role stores one as a tile, only where the chunk
+    ends inside its sequence; a last, partial chunk is read and written row by row through the mask."""
+    source = rendered_config("gdn", 128, **CONFIGS["gdn"]["roles"]).source
+    lines = source[source.index("def sequential"):source.index("def programs")].splitlines()
+    whole = [n for n, line in enumerate(lines) if "T.tma_copy(" in line or "T.copy(O_s, O[" in line]
+    assert {re.search(r"copy\((?:O_s, )?(\w+)\[", lines[n]).group(1) for n in whole} == {"Q", "K", "V", "AB", "O"}
+    for n in whole:
+        indent = len(lines[n]) - len(lines[n].lstrip())
+        outer = next(up for up in reversed(lines[:n]) if len(up) - len(up.lstrip()) < indent)
+        assert outer.strip() == "if (c + 1) * C <= seqlen:", lines[n]
+    copied, read, written = token_accesses(source, "sequential")
+    assert copied == {"H0", "HT", "S_s", "O"}  # the states, S_s (shared), and O under the whole-chunk test above
+    assert read == {"Q", "K", "V", "AB"}
+    assert written == {"O": "if c * C + i < seqlen:"}
+    # gc and the row weights read rows up to the last one inside the sequence only
+    assert "GC[bos + c * C + T.min(i, last), hv]" in source and "last = T.min(C, seqlen - c * C) - 1" in source
 
 
 @pytest.mark.parametrize("variant,split", [("gdn", "pre_seq"), ("kda", "chunked")], ids=VARIANTS)
@@ -201,7 +223,7 @@ def compiled():
 
 
 @cuda
-@pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all"))
+@pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all", "roles"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,
@@ -243,7 +265,7 @@ def test_fla_chunk_indices_give_the_same_outputs_as_the_index_built_on_the_devic
 
 
 @cuda
-@pytest.mark.parametrize("variant,config", configs("default", "chunked", ids={"default": "pre_seq"}))
+@pytest.mark.parametrize("variant,config", configs("default", "chunked", "roles", ids={"default": "pre_seq"}))
 def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads(compiled, variant, config):
     H, HV = 2, 6
     x = delta_inputs(variant, (200,), H, HV, device="cuda")
@@ -261,7 +283,7 @@ def test_grouped_value_heads_of_a_dense_batch_match_repeated_query_and_key_heads
 
 
 @cuda
-@pytest.mark.parametrize("variant,config", configs("default", "chunked", ids={"default": "pre_seq"}))
+@pytest.mark.parametrize("variant,config", configs("default", "chunked", "roles", ids={"default": "pre_seq"}))
 def test_the_gate_runs_and_passes_the_packed_regime(variant, config):
     from tuner.gate import run_gate
 

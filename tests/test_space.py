@@ -166,6 +166,19 @@ def test_an_implicit_default_is_stated_only_off_its_default_so_earlier_configs_k
     assert sp.normalise({**chunked, "gate_cumsum": "prepass"}) == sp.normalise(chunked)
 
 
+def test_an_implicit_parameter_fixed_off_its_default_stays_stated():
+    """``tune --fix sequential_roles=true``: the fixed space's configs keep the value, so what is
+    rendered and checked is the role-split kernel, not the one a config without it means."""
+    problem = Problem("gdn", 128, 128)
+    fixed = space.load("gdn").fix({"split": "pre_seq", "solve": "merged", "block_dv": "64",
+                                   "sequential_roles": "true", "num_stages": "2"})
+    config = fixed.complete(problem, {})
+    assert config["sequential_roles"] is True and fixed.normalise(config)["sequential_roles"] is True
+    assert violations(problem, config) == []
+    # unfixed, its default (false) is still left unstated
+    assert "sequential_roles" not in space.load("gdn").normalise({**config, "sequential_roles": False})
+
+
 def test_an_inherited_parameter_with_a_default_or_nothing_to_inherit_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(variants, "SEARCH_SPACES_DIR", tmp_path)
     for bad in ("    inherit: block_dv\n    default: 64\n", "    inherit: block_size\n"):

@@ -53,6 +53,9 @@ class Parameter:
     # The value in a staged config's num_stages = 0 twin (a form that cannot run unstaged is compared
     # with one that can); None: the config's own.
     unstaged: Any = None
+    # implicit_default: the value a config that does not state it means (its declared default; a search
+    # that fixes the parameter moves ``default``, not this).
+    unstated: Any = None
 
     @property
     def accepted(self) -> tuple:
@@ -103,7 +106,7 @@ class Space:
                 if n in config and self.active(n, config)
                 and not (p.inherit is not None and config[n] == config.get(p.inherit))
                 and not (p.caller_values and config[n] not in p.caller_values)
-                and not (p.implicit_default and config[n] == p.default)}
+                and not (p.implicit_default and config[n] == p.unstated)}
 
     def stated(self, config: dict) -> dict:
         """``config`` with every inherited or implicit parameter that applies stated at its value: what
@@ -264,7 +267,8 @@ def load(variant: str) -> Space:
     params = {
         name: Parameter(name, tuple(p["values"]), p.get("default"), p.get("doc", ""), p.get("when"), p.get("inherit"),
                         tuple(p.get("caller_values", ())), tuple(p.get("caller_default", {}).items()),
-                        bool(p.get("implicit_default", False)), p.get("unstaged"))
+                        bool(p.get("implicit_default", False)), p.get("unstaged"),
+                        p.get("default") if p.get("implicit_default", False) else None)
         for name, p in doc["parameters"].items()
     }
     constraints = tuple(Constraint(c["require"], c["reason"], c.get("when")) for c in doc.get("constraints", ()))

@@ -1,0 +1,64 @@
+"""benchmarks/roles_timeline.py's stamps, checked on the CPU: every statement of each role's chunk
+loop of the real role-split kernel is bracketed by an SM clock stamp, in order, the stamped kernel
+still compiles for sm_90a with the same clean ptxas report, and forward passes the stamp buffer.
+The timeline itself needs the GPU."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from template_checks import assert_compiles_clean, rendered_config
+from tuner.candidate import Candidate
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def roles_timeline():
+    sys.path.insert(0, str(BENCHMARKS))  # it imports kernel_breakdown beside it
+    try:
+        spec = importlib.util.spec_from_file_location("roles_timeline", BENCHMARKS / "roles_timeline.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+@pytest.fixture(scope="module")
+def roles():
+    return rendered_config("gdn", 128, **{"split": "pre_seq", "solve": "merged", "block_dv": 64,
+                                          "sequential_roles": True, "num_stages": 2,
+                                          "gc_loads": "once", "fast_math": True})
+
+
+def test_every_statement_of_each_role_loop_is_stamped_in_order(roles_timeline, roles):
+    source, labels = roles_timeline.instrument(roles.source)
+    assert [len(role) for role in labels] == [11, 13, 15, 10]
+    assert labels[0][2] == "T.copy(S_f, S_s[b, :, :])"
+    assert labels[1][7] == "T.gemm(Ab_s[s, :, :], Vr_s, U_f, clear_accum=True)"
+    assert labels[3][-1] == "T.barrier_arrive(loaded[s])"
+    lines = source.splitlines()
+    for role, role_labels in enumerate(labels):
+        stamps = [i for i, line in enumerate(lines) if f"STAMPS[{role}, c, " in line]
+        assert len(stamps) == len(role_labels) + 1
+        for point, (stamp, label) in enumerate(zip(stamps, role_labels)):
+            assert f"STAMPS[{role}, c, {point}]" in lines[stamp]
+            # the statement follows its stamp, past comments only
+            following = next(line.strip() for line in lines[stamp + 1:] if not line.strip().startswith("#"))
+            assert following == label
+    assert "STAMPS.zero_()" in source and "ht, scale, STAMPS)" in source
+
+
+def test_a_changed_kernel_is_refused_not_misread(roles_timeline, roles):
+    with pytest.raises(SystemExit, match="expected 4 chunk loops"):
+        roles_timeline.instrument(roles.source.replace("for c in T.serial(chunks):", "for c in T.serial(chunks + 0):", 1))
+    with pytest.raises(SystemExit, match="signature or its call changed"):
+        roles_timeline.instrument(roles.source.replace("scale: T.float32,", "scale: T.float64,"))
+
+
+def test_the_stamped_kernel_compiles_clean_for_hopper(roles_timeline, roles, tmp_path):
+    source, _ = roles_timeline.instrument(roles.source)
+    report = assert_compiles_clean(Candidate(roles.problem, roles.config, source), ["prepare", "sequential"], tmp_path)
+    assert any(k.name == "sequential" and k.registers for k in report.kernels)
