@@ -4,6 +4,10 @@
 
 The chunked splits launch several kernels (W/U, state pass, output); their sum next to the whole
 forward's time (``tuner.bench.time_forward``) shows which one the templates should work on.
+
+``--flashqla`` (gdn, DK = DV = 128) also times FlashQLA's chunk-parallel kernels on the same k, g
+and beta the same way: its chunk-local cumulative sum and its K K^T solve, the work of our
+precompute kernel.
 """
 from __future__ import annotations
 
@@ -58,13 +62,40 @@ def per_kernel_ms(module, kernels: dict, inputs: dict) -> dict[str, float]:
     return per_kernel
 
 
+def flashqla_precompute_ms(inputs: dict) -> dict[str, float]:
+    """Mean milliseconds of FlashQLA's cumulative sum and K K^T solve (``flash_qla`` 0.1.3, Hopper)
+    over REPS calls each, on ``inputs``' k, g and beta."""
+    from flash_qla.ops.gated_delta_rule.chunk.hopper import kkt_solve
+    from flash_qla.ops.utils import chunk_local_cumsum
+
+    k, g, beta = inputs["k"].contiguous(), inputs["g"].float().contiguous(), inputs["beta"].float().contiguous()
+    calls = {"flashqla cumsum": lambda: chunk_local_cumsum(g=g, chunk_size=64),
+             "flashqla kkt_solve": lambda: kkt_solve(k=k, b=beta, chunk_size=64)}
+    times = {}
+    for name, call in calls.items():
+        for _ in range(5):  # warm-up (and its compile)
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPS):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / REPS
+    return times
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", required=True)
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--shape", default="4x8192x16", help="BxTxH (default 4x8192x16)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change the default config")
+    p.add_argument("--flashqla", action="store_true",
+                   help="gdn at DK 128: also time FlashQLA's cumulative sum and K K^T solve on the same inputs")
     args = p.parse_args(argv)
+    if args.flashqla and (args.variant, args.dk) != ("gdn", 128):
+        p.error("--flashqla times FlashQLA's gdn kernels, which take DK = 128 only")
     if not torch.cuda.is_available():
         print("kernel_breakdown: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -75,6 +106,9 @@ def main(argv=None) -> int:
     for name, ms in per_kernel.items():
         print(f"{name:<14}{ms:8.3f} ms")
     print(f"{'sum':<14}{sum(per_kernel.values()):8.3f} ms  ({args.variant} k{args.dk} {args.shape}, {config})")
+    if args.flashqla:
+        for name, ms in flashqla_precompute_ms(make_inputs(problem, "default", 0, torch.device("cuda"))).items():
+            print(f"{name:<20}{ms:8.3f} ms")
     return 0
 
 

@@ -27,7 +27,7 @@ CONFIGS = {
         "all": {**PACKED, "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True, "prepare_chunks": 2},
         "chunked": {"split": "chunked", "packed": True, "block_dv_o": 64},
         "roles": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
-                  "gc_loads": "once", "fast_math": True},
+                  "gc_loads": "once", "fast_math": True, "prepare_loads": "async"},
     },
     "kda": {
         "default": PACKED,

@@ -104,6 +104,11 @@ def test_the_role_split_kernel_copies_whole_tiles_of_whole_chunks_only():
     assert written == {"O": "if c * C + i < seqlen:"}
     # gc and the row weights read rows up to the last one inside the sequence only
     assert "GC[bos + c * C + T.min(i, last), hv]" in source and "last = T.min(C, seqlen - c * C) - 1" in source
+    # Its precompute kernel copies K asynchronously for a whole chunk only, else element by element.
+    prepare = source[source.index("def prepare"):source.index("return prepare")].splitlines()
+    (n,) = [n for n, line in enumerate(prepare) if "T.async_copy(" in line]
+    assert prepare[n - 1].strip() == "if (c + 1) * C <= seqlen:" and prepare[n + 1].strip() == "else:"
+    assert prepare[n + 3].strip() == "K_s[i, d] = T.if_then_else(c * C + i < seqlen, K[bos + c * C + i, h, d], 0)"
 
 
 @pytest.mark.parametrize("variant,split", [("gdn", "pre_seq"), ("kda", "chunked")], ids=VARIANTS)

@@ -35,6 +35,9 @@ PRE_SEQ_MERGED = {"split": "pre_seq", "solve": "merged", "block_dv": 32}
 PRE_SEQ_MERGED_32 = {**PRE_SEQ_MERGED, "chunk_size": 32}
 # The sequential kernel as four warpgroups with roles (two ring buffers), after the merged solve.
 PRE_SEQ_ROLES = {**PRE_SEQ_MERGED, "block_dv": 64, "sequential_roles": True, "num_stages": 2}
+# Both precompute kernels with their Q and K tiles copied asynchronously (the role split's reads no Q).
+PRE_SEQ_ROLES_ASYNC = {**PRE_SEQ_ROLES, "gc_loads": "once", "fast_math": True, "prepare_loads": "async"}
+PRE_SEQ_MERGED_ASYNC = {**PRE_SEQ_MERGED, "prepare_loads": "async"}
 # The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
 CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
@@ -54,7 +57,7 @@ def test_every_placement_changes_the_code(split, placement):
     assert_every_value_changes_source("gdn", 128, placement, split=split)
 
 
-@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks"])
+@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads"])
 def test_every_pre_seq_parameter_changes_the_code(param):
     assert_every_value_changes_source("gdn", 128, param, split="pre_seq")
 
@@ -182,6 +185,24 @@ def test_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why
     assert gdn.unstaged_twin(config) == gdn.complete(problem, {**PRE_SEQ_MERGED, "block_dv": 64, "num_stages": 0})
 
 
+@pytest.mark.parametrize("overrides", [PRE_SEQ_ROLES_ASYNC, PRE_SEQ_MERGED_ASYNC], ids=["roles", "merged"])
+def test_asynchronous_precompute_loads_compile_clean_and_land_before_the_first_product(overrides, tmp_path):
+    rendered = rendered_config("gdn", 128, **overrides)
+    report = assert_compiles_clean(rendered, KERNELS["pre_seq"], tmp_path)
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    body = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    lines = [line.strip() for line in body.splitlines()]
+    copies = [n for n, line in enumerate(lines) if line.startswith("T.async_copy(")]
+    tiles = ["K"] if overrides.get("sequential_roles") else ["Q", "K"]
+    assert [lines[n][len("T.async_copy("):].split("[")[0] for n in copies] == tiles
+    gates = [n for n, line in enumerate(lines) if line.startswith(("T.copy(G[", "T.copy(Beta["))]
+    wait = lines.index("T.ptx_wait_group(0)")
+    first_product = next(n for n, line in enumerate(lines) if line.startswith("T.gemm("))
+    # The tiles are issued first, the gate loads and their sum run under them, the wait comes before any product.
+    assert max(copies) < min(gates) and max(gates) < lines.index("T.cumsum(g_s, gc_s, dim=0)") < wait < first_product
+
+
 def test_pre_seq_parameters_do_not_apply_to_the_other_splits():
     gdn = space.load("gdn")
     for name in ("overlap", "prepare_chunks", "sequential_roles"):
@@ -249,10 +270,11 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", PRE_SEQ_FAST), ("pre_seq", PRE_SEQ_ALL),
                                              ("chunked", {"solve": "doubling"}), ("chunked", CHUNKED_256),
                                              ("pre_seq", PRE_SEQ_MERGED), ("pre_seq", PRE_SEQ_MERGED_32),
-                                             ("pre_seq", PRE_SEQ_ROLES), ("pre_seq", {**PRE_SEQ_MERGED, "decay_in": "shared"})],
+                                             ("pre_seq", PRE_SEQ_ROLES), ("pre_seq", {**PRE_SEQ_MERGED, "decay_in": "shared"}),
+                                             ("pre_seq", PRE_SEQ_ROLES_ASYNC), ("pre_seq", PRE_SEQ_MERGED_ASYNC)],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
-                              "pre_seq-merged-table"))
+                              "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)

@@ -226,19 +226,42 @@ def _sequential(loop: ast.For) -> bool:
         call_name(loop.iter.func) in ("Pipelined", "serial") or getattr(loop.iter.func, "id", None) == "range")
 
 
-def _top_level(statements: list[ast.stmt], threads: int, env: dict) -> list[ast.stmt]:
-    """The kernel body's statements as the merge pass sees them after lowering: a ``T.unroll``
-    loop is unrolled and a ``T.Parallel`` loop with as many iterations as threads leaves its body
-    in place (one iteration per thread); any other loop stays one statement (fewer iterations
-    than threads become a guarded branch, one statement too)."""
-    out = []
+def _top_level(statements: list[ast.stmt], threads: int, env: dict, shared: dict) -> list[list[ast.stmt]]:
+    """The kernel body's statements as the merge pass sees them after lowering, each a list of the
+    source statements it holds: a ``T.unroll`` loop is unrolled and a ``T.Parallel`` loop with as
+    many iterations as threads leaves its body in place (one iteration per thread); any other loop
+    stays one statement. Fewer iterations than threads become a branch on the thread index, and
+    consecutive branches on the same bound are merged into one (TileLang's MergeIfStmt): so are
+    ``T.copy`` calls of a vector of ``shared`` (name -> shape) with fewer elements than threads."""
+    out: list[list[ast.stmt]] = []
+    guards: list[float | None] = []
     for stmt in statements:
         kind = call_name(stmt.iter.func) if isinstance(stmt, ast.For) and isinstance(stmt.iter, ast.Call) else None
         if kind == "unroll" or (kind == "Parallel" and _iterations(stmt.iter, env) == threads):
-            out += _top_level(stmt.body, threads, env)
+            inner = _top_level(stmt.body, threads, env, shared)
+            out += inner
+            guards += [None] * len(inner)
+            continue
+        guard = _thread_guard(stmt, kind, threads, env, shared)
+        if guard is not None and guards and guards[-1] == guard:
+            out[-1].append(stmt)
         else:
-            out.append(stmt)
+            out.append([stmt])
+            guards.append(guard)
     return out
+
+
+def _thread_guard(stmt: ast.stmt, kind: str | None, threads: int, env: dict, shared: dict) -> float | None:
+    """The thread-index bound a statement lowers under: a ``T.Parallel`` loop's iterations, or the
+    elements of the shared vector a ``T.copy`` moves, when fewer than ``threads``; else None."""
+    if kind == "Parallel":
+        n = _iterations(stmt.iter, env)
+        return n if n < threads else None
+    call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
+    if call is None or call_name(call.func) != "copy" or len(call.args) < 2:
+        return None
+    vectors = [shared[n] for n in (_subscripted(a) for a in call.args[:2]) if n in shared and len(shared[n]) == 1]
+    return vectors[0][0] if vectors and vectors[0][0] < threads else None
 
 
 def _iterations(call: ast.Call, env: dict) -> float:
@@ -322,8 +345,9 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
     body = [s for s in block.body if not (isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
                                           and call_name(s.value.func) in ALLOCATORS)]
     uses: dict[str, tuple[int, int]] = {}
-    for index, stmt in enumerate(_top_level(body, threads, env)):
-        for buf in names(stmt) & allocated:
+    vectors = {b.name: b.shape for b in buffers if b.scope == "shared"}
+    for index, merged in enumerate(_top_level(body, threads, env, vectors)):
+        for buf in set().union(*(names(stmt) for stmt in merged)) & allocated:
             first, _ = uses.get(buf, (index, index))
             uses[buf] = (first, index)
 
