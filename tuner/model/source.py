@@ -230,11 +230,14 @@ def _top_level(statements: list[ast.stmt], threads: int, env: dict, shared: dict
     """The kernel body's statements as the merge pass sees them after lowering, each a list of the
     source statements it holds: a ``T.unroll`` loop is unrolled and a ``T.Parallel`` loop with as
     many iterations as threads leaves its body in place (one iteration per thread); any other loop
-    stays one statement. Fewer iterations than threads become a branch on the thread index, and
-    consecutive branches on the same bound are merged into one (TileLang's MergeIfStmt): so are
-    ``T.copy`` calls of a vector of ``shared`` (name -> shape) with fewer elements than threads."""
+    stays one statement (fewer iterations than threads become a guarded branch, one statement
+    too). Consecutive ``T.copy`` calls of vectors of ``shared`` (name -> shape) with the same number
+    of elements, fewer than threads, are one statement: TileLang lowers each to a branch on the
+    thread index and merges those branches (MergeIfStmt) before it plans shared memory. Short
+    ``T.Parallel`` loops keep one statement each in that plan, though their branches end up merged
+    in the emitted code too (both seen in gdn's dense and packed precompute kernels)."""
     out: list[list[ast.stmt]] = []
-    guards: list[float | None] = []
+    guards: list[int | None] = []
     for stmt in statements:
         kind = call_name(stmt.iter.func) if isinstance(stmt, ast.For) and isinstance(stmt.iter, ast.Call) else None
         if kind == "unroll" or (kind == "Parallel" and _iterations(stmt.iter, env) == threads):
@@ -242,7 +245,7 @@ def _top_level(statements: list[ast.stmt], threads: int, env: dict, shared: dict
             out += inner
             guards += [None] * len(inner)
             continue
-        guard = _thread_guard(stmt, kind, threads, env, shared)
+        guard = _copy_guard(stmt, threads, shared)
         if guard is not None and guards and guards[-1] == guard:
             out[-1].append(stmt)
         else:
@@ -251,12 +254,9 @@ def _top_level(statements: list[ast.stmt], threads: int, env: dict, shared: dict
     return out
 
 
-def _thread_guard(stmt: ast.stmt, kind: str | None, threads: int, env: dict, shared: dict) -> float | None:
-    """The thread-index bound a statement lowers under: a ``T.Parallel`` loop's iterations, or the
-    elements of the shared vector a ``T.copy`` moves, when fewer than ``threads``; else None."""
-    if kind == "Parallel":
-        n = _iterations(stmt.iter, env)
-        return n if n < threads else None
+def _copy_guard(stmt: ast.stmt, threads: int, shared: dict) -> int | None:
+    """The thread-index bound a ``T.copy`` of a shared vector lowers under: its elements, when
+    fewer than ``threads``; else None."""
     call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
     if call is None or call_name(call.func) != "copy" or len(call.args) < 2:
         return None
