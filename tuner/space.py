@@ -210,16 +210,37 @@ class Space:
 
     @functools.cached_property
     def _grid(self) -> tuple[dict, ...]:
-        import itertools
+        """The normalised configs of the product of all values, first occurrences in product order.
+        A parameter that does not apply given the ones declared before it, and whose value no
+        condition or inheritance reads, takes only its first value: the others normalise to the
+        same configs later in the product, so the grid and its order are unchanged."""
+        import ast
 
         names = list(self.params)
+        reads = {n: {node.id for node in ast.walk(ast.parse(p.when, mode="eval")) if isinstance(node, ast.Name)}
+                 if p.when else set() for n, p in self.params.items()}
+        read_by_others = set().union(*reads.values()) | {p.inherit for p in self.params.values() if p.inherit}
         seen, out = set(), []
-        for combo in itertools.product(*(self.params[n].values for n in names)):
-            cfg = self.normalise(dict(zip(names, combo)))
-            key = tuple(sorted(cfg.items()))
-            if key not in seen:
-                seen.add(key)
-                out.append(cfg)
+
+        def walk(index: int, partial: dict) -> None:
+            if index == len(names):
+                cfg = self.normalise(partial)
+                key = tuple(sorted(cfg.items()))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(cfg)
+                return
+            name = names[index]
+            values = self.params[name].values
+            if (name not in read_by_others and reads[name] <= set(names[:index])
+                    and not self.active(name, partial)):
+                values = values[:1]
+            for value in values:
+                partial[name] = value
+                walk(index + 1, partial)
+            del partial[name]
+
+        walk(0, {})
         return tuple(out)
 
     @staticmethod
