@@ -190,3 +190,18 @@ def test_an_inherited_parameter_with_a_default_or_nothing_to_inherit_is_refused(
     monkeypatch.undo()
     space.load.cache_clear()
     assert space.load("gdn").params["block_dv_o"].inherit == "block_dv"
+
+
+@pytest.mark.parametrize("variant", ["linear", "gla", "gdn_recurrent"])
+def test_the_grid_is_the_full_products_normalised_configs_in_order(variant):
+    """The grid skips the values of parameters that do not apply; it must still be every distinct
+    normalised config of the whole product, each where the product first reaches it."""
+    import itertools
+
+    sp = space.load(variant)
+    names = list(sp.params)
+    first: dict[tuple, dict] = {}
+    for combo in itertools.product(*(sp.params[n].values for n in names)):
+        config = sp.normalise(dict(zip(names, combo)))
+        first.setdefault(tuple(sorted(config.items())), config)
+    assert sp.grid() == list(first.values())
