@@ -41,10 +41,10 @@ class _Timed:
         return out
 
 
-def breakdown(problem: Problem, config: dict) -> dict[str, float]:
-    """Mean milliseconds per forward of each kernel of ``config``."""
+def breakdown(problem: Problem, config: dict, inputs: dict) -> dict[str, float]:
+    """Mean milliseconds per forward of each kernel of ``config`` on ``inputs``."""
     module, kernels = load_kernels(Candidate.from_config(problem, config))
-    return per_kernel_ms(module, kernels, make_inputs(problem, "default", 0, torch.device("cuda")))
+    return per_kernel_ms(module, kernels, inputs)
 
 
 def per_kernel_ms(module, kernels: dict, inputs: dict) -> dict[str, float]:
@@ -102,12 +102,13 @@ def main(argv=None) -> int:
     batch, seqlen, heads = parse_shape(args.shape)
     problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
     config = space.load(args.variant).complete(problem, parse_overrides(args.set))
-    per_kernel = breakdown(problem, config)
+    inputs = make_inputs(problem, "default", 0, torch.device("cuda"))
+    per_kernel = breakdown(problem, config, inputs)
     for name, ms in per_kernel.items():
         print(f"{name:<14}{ms:8.3f} ms")
     print(f"{'sum':<14}{sum(per_kernel.values()):8.3f} ms  ({args.variant} k{args.dk} {args.shape}, {config})")
     if args.flashqla:
-        for name, ms in flashqla_precompute_ms(make_inputs(problem, "default", 0, torch.device("cuda"))).items():
+        for name, ms in flashqla_precompute_ms(inputs).items():
             print(f"{name:<20}{ms:8.3f} ms")
     return 0
 

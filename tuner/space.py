@@ -220,6 +220,9 @@ class Space:
         reads = {n: {node.id for node in ast.walk(ast.parse(p.when, mode="eval")) if isinstance(node, ast.Name)}
                  if p.when else set() for n, p in self.params.items()}
         read_by_others = set().union(*reads.values()) | {p.inherit for p in self.params.values() if p.inherit}
+        # Whether a parameter's condition can be settled by the ones before it, and no one reads it.
+        skippable = [name not in read_by_others and reads[name] <= set(names[:index])
+                     for index, name in enumerate(names)]
         seen, out = set(), []
 
         def walk(index: int, partial: dict) -> None:
@@ -232,8 +235,7 @@ class Space:
                 return
             name = names[index]
             values = self.params[name].values
-            if (name not in read_by_others and reads[name] <= set(names[:index])
-                    and not self.active(name, partial)):
+            if skippable[index] and not self.active(name, partial):
                 values = values[:1]
             for value in values:
                 partial[name] = value
