@@ -1,9 +1,9 @@
-"""Where one step of gdn's role-split sequential kernel (sequential_roles) goes, role by role: the
+"""Where one step of a role-split sequential kernel (gdn's or kda's sequential_roles) goes, role by role: the
 rendered kernel with an SM clock stamp (clock64) before and after every statement of each role's
 chunk loop, read for one block, as mean cycles per statement over the middle chunks and as the
 moment each role reaches each statement, relative to the state role's start of the same chunk.
 
-    python benchmarks/roles_timeline.py [--dk 128] [--shape 4x8192x16] [--set num_stages=3 ...]
+    python benchmarks/roles_timeline.py [--variant gdn] [--dk 128] [--shape 4x8192x16] [--set num_stages=3 ...]
 
 The stamps are written by one thread of each role of block (0, 0); the other blocks run as rendered,
 so the SM is as busy as in the real run. A stamp costs a few cycles; the step's total is compared
@@ -25,11 +25,15 @@ from tuner.compile import load_kernels
 from tuner.inputs import make_inputs
 from tuner.problem import Problem, parse_shape
 
-ROLES = {"split": "pre_seq", "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
-         "gc_loads": "once", "fast_math": True}
+# Each variant's role-split config, the one timed unless --set says otherwise.
+ROLES = {"gdn": {"split": "pre_seq", "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                 "gc_loads": "once", "fast_math": True},
+         "kda": {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}}
 ROLE_NAMES = ("state", "values", "output", "producer")
 CHUNK_LOOP = "for c in T.serial(chunks):"
 STAMPS_ARG = "STAMPS"
+# forward's launch of the sequential kernel, its operands before the scale.
+SEQUENTIAL_CALL = re.compile(r'kernels\["sequential"\]\((.*), scale\)')
 
 
 def _statements(lines: list[str], start: int, indent: str) -> list[tuple[int, int]]:
@@ -81,12 +85,12 @@ def instrument(source: str) -> tuple[str, list[list[str]]]:
     text, labels = stamp_loops(source, loops, "bbh == 0 and bv == 0 and tx % 128 == 0", STAMPS_ARG)
     points = max(len(role_labels) for role_labels in labels) + 1
     signature = "        scale: T.float32,\n    ):\n        with T.Kernel(T.ceildiv(DV, BLOCK_DV), B * H, threads=ROLE_THREADS)"
-    call = 'kernels["sequential"](q, k, v, gc, ab, h0, o, ht, scale)'
-    if signature not in text or call not in text:
+    call = SEQUENTIAL_CALL.search(text)
+    if signature not in text or call is None:
         raise SystemExit("roles_timeline: the rendered kernel's signature or its call changed")
     text = text.replace(signature, signature.replace(
         "\n    ):", f"\n        {STAMPS_ARG}: T.Tensor([{len(ROLE_NAMES)}, T.ceildiv(S, C), {points}], \"int64\"),\n    ):"))
-    text = text.replace(call, f"{STAMPS_ARG}.zero_()\n    {call[:-1]}, {STAMPS_ARG})")
+    text = text.replace(call.group(0), f"{STAMPS_ARG}.zero_()\n    {call.group(0)[:-1]}, {STAMPS_ARG})")
     return text, labels
 
 
@@ -109,14 +113,15 @@ def report(stamps: torch.Tensor, labels: list[list[str]], names, reference: int 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", choices=sorted(ROLES), default="gdn")
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--shape", default="4x8192x16", help="BxTxH (default 4x8192x16)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a parameter of the role-split config (default " + str(ROLES) + ")")
+                   help="a parameter of the role-split config (default: ROLES[variant] in this file)")
     args = p.parse_args(argv)
     batch, seqlen, heads = parse_shape(args.shape)
-    problem = Problem("gdn", args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
-    config = space.load("gdn").complete(problem, {**ROLES, **parse_overrides(args.set)})
+    problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
+    config = space.load(args.variant).complete(problem, {**ROLES[args.variant], **parse_overrides(args.set)})
     plain = Candidate.from_config(problem, config)
     source, labels = instrument(plain.source)
     if not torch.cuda.is_available():

@@ -37,6 +37,7 @@ CONFIGS = {
         "chunked-all": {"split": "chunked", "packed": True, "chunk_size": 32, "sub_chunk": 32, "block_dv": 32,
                         "block_dv_o": 128, "block_dk": 64, "num_stages": 2, "threads": 128,
                         "warp_specialized": True, "qk_in": "shared", "system_in": "shared", "wu_in": "fragment"},
+        "roles": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2, "prepare_loads": "async"},
     },
 }
 VARIANTS = list(CONFIGS)

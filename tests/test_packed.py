@@ -66,7 +66,7 @@ def tolerance(variant):
                                ("gdn", 128, "chunked"), ("gdn", 64, "roles"), ("gdn", 128, "roles"),
                                ("kda", 64, "default"), ("kda", 128, "default"),
                                ("kda", 128, "all"), ("kda", 64, "chunked"), ("kda", 128, "chunked"),
-                               ("kda", 128, "chunked-all")]])
+                               ("kda", 128, "chunked-all"), ("kda", 64, "roles"), ("kda", 128, "roles")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
@@ -87,21 +87,30 @@ def test_every_token_load_and_store_is_masked_at_the_sequence_end(variant, confi
     assert "h = hv // (HV // H)" in source  # grouped value heads: q and k read at the query/key head
 
 
-def test_the_role_split_kernel_copies_whole_tiles_of_whole_chunks_only():
+# The tiles the role-split kernel's producer loads by TMA, per variant.
+ROLE_TILES = {"gdn": {"Q", "K", "V", "AB"}, "kda": {"QG", "KW", "KG", "V", "AB", "AQK"}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_role_split_kernel_copies_whole_tiles_of_whole_chunks_only(variant):
     """Its producer loads a chunk by TMA, and its output role stores one as a tile, only where the chunk
     ends inside its sequence; a last, partial chunk is read and written row by row through the mask."""
-    source = rendered_config("gdn", 128, **CONFIGS["gdn"]["roles"]).source
+    source = rendered_config(variant, 128, **CONFIGS[variant]["roles"]).source
     lines = source[source.index("def sequential"):source.index("def programs")].splitlines()
     whole = [n for n, line in enumerate(lines) if "T.tma_copy(" in line or "T.copy(O_s, O[" in line]
-    assert {re.search(r"copy\((?:O_s, )?(\w+)\[", lines[n]).group(1) for n in whole} == {"Q", "K", "V", "AB", "O"}
+    assert {re.search(r"copy\((?:O_s, )?(\w+)\[", lines[n]).group(1) for n in whole} == ROLE_TILES[variant] | {"O"}
     for n in whole:
         indent = len(lines[n]) - len(lines[n].lstrip())
         outer = next(up for up in reversed(lines[:n]) if len(up) - len(up.lstrip()) < indent)
         assert outer.strip() == "if (c + 1) * C <= seqlen:", lines[n]
     copied, read, written = token_accesses(source, "sequential")
     assert copied == {"H0", "HT", "S_s", "O"}  # the states, S_s (shared), and O under the whole-chunk test above
-    assert read == {"Q", "K", "V", "AB"}
+    assert read == ROLE_TILES[variant]
     assert written == {"O": "if c * C + i < seqlen:"}
+
+
+def test_the_gdn_role_split_kernel_reads_gate_rows_inside_the_sequence_and_copies_k_asynchronously():
+    source = rendered_config("gdn", 128, **CONFIGS["gdn"]["roles"]).source
     # gc and the row weights read rows up to the last one inside the sequence only
     assert "GC[bos + c * C + T.min(i, last), hv]" in source and "last = T.min(C, seqlen - c * C) - 1" in source
     # Its precompute kernel copies K asynchronously for a whole chunk only, else element by element.

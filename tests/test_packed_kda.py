@@ -20,12 +20,13 @@ from tuner import space
 from tuner.inputs import PACKED_LENGTHS
 from tuner.problem import Problem
 
-PACKED, PACKED_ALL, PACKED_CHUNKED = (CONFIGS["kda"][name] for name in ("default", "all", "chunked"))
+PACKED, PACKED_ALL, PACKED_CHUNKED, PACKED_ROLES = (CONFIGS["kda"][name]
+                                                   for name in ("default", "all", "chunked", "roles"))
 
 
 # ---- CPU: what is rendered and compiled ----
 
-@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL], ids=["default", "all"])
+@pytest.mark.parametrize("overrides", [PACKED, PACKED_ALL, PACKED_ROLES], ids=["default", "all", "roles"])
 def test_gl_is_written_per_chunk_slot_and_read_at_the_slot_of_the_sequences_first_chunk(overrides):
     source = rendered_config("kda", 128, **overrides).source
     # GL is written per chunk slot, only for a chunk of a sequence (a padding slot has length 0), and
@@ -33,7 +34,8 @@ def test_gl_is_written_per_chunk_slot_and_read_at_the_slot_of_the_sequences_firs
     slot = "cc * 2 + cb" if overrides.get("prepare_chunks", 1) == 2 else "slot"
     assert re.findall(r"\n\s*(.*)\n\s+GL\[(.*)\] = ", source) == [("if c * C < seqlen:", f"{slot}, hv, d")]
     sequential = source[source.index("def sequential"):source.index("def programs")]
-    assert "T.copy(GL[first + c, hv, :], gl_s)" in sequential and "ChunkStarts" in sequential
+    read = "gl_s[s, d] = GL[first + c, hv, d]" if overrides.get("sequential_roles") else "T.copy(GL[first + c, hv, :], gl_s)"
+    assert read in sequential and "ChunkStarts" in sequential
     assert "h = " not in sequential  # its operands are all per value head
 
 

@@ -26,19 +26,26 @@ def roles_timeline():
     return module
 
 
-@pytest.fixture(scope="module")
-def roles():
-    return rendered_config("gdn", 128, **{"split": "pre_seq", "solve": "merged", "block_dv": 64,
-                                          "sequential_roles": True, "num_stages": 2,
-                                          "gc_loads": "once", "fast_math": True})
+@pytest.fixture(scope="module", params=["gdn", "kda"])
+def roles(request, roles_timeline):
+    return rendered_config(request.param, 128, **roles_timeline.ROLES[request.param])
+
+
+# Per variant: the statements of each role's chunk loop, and three of them (role, index, statement).
+STATEMENTS = {"gdn": ([11, 13, 15, 10], [(0, 2, "T.copy(S_f, S_s[b, :, :])"),
+                                         (1, 7, "T.gemm(Ab_s[s, :, :], Vr_s, U_f, clear_accum=True)"),
+                                         (3, -1, "T.barrier_arrive(loaded[s])")]),
+              "kda": ([11, 13, 11, 10], [(0, 8, "T.gemm(Kg_s[s, :, :], U_s, S_f, transpose_A=True)"),
+                                         (2, 3, "T.gemm(Qg_s[s, :, :], S_s[b, :, :], acc_o, clear_accum=True)"),
+                                         (3, -1, "T.barrier_arrive(loaded[s])")])}
 
 
 def test_every_statement_of_each_role_loop_is_stamped_in_order(roles_timeline, roles):
     source, labels = roles_timeline.instrument(roles.source)
-    assert [len(role) for role in labels] == [11, 13, 15, 10]
-    assert labels[0][2] == "T.copy(S_f, S_s[b, :, :])"
-    assert labels[1][7] == "T.gemm(Ab_s[s, :, :], Vr_s, U_f, clear_accum=True)"
-    assert labels[3][-1] == "T.barrier_arrive(loaded[s])"
+    counts, statements = STATEMENTS[roles.problem.variant]
+    assert [len(role) for role in labels] == counts
+    for role, index, statement in statements:
+        assert labels[role][index] == statement
     lines = source.splitlines()
     for role, role_labels in enumerate(labels):
         stamps = [i for i, line in enumerate(lines) if f"STAMPS[{role}, c, " in line]

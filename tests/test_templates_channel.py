@@ -16,7 +16,7 @@ from tuner import space
 from tuner.compile import load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
-from tuner.candidate import Candidate
+from tuner.candidate import Candidate, violations
 
 CHANNEL = ("gla", "kda")
 # (variant, split, the programs in launch order)
@@ -32,6 +32,10 @@ KDA_PRE_SEQ_ALL = {"split": "pre_seq", "sub_chunk": 32, "block_dv": 32, "block_d
 KDA_PRE_SEQ_BLOCKS = {"split": "pre_seq", "prepare_chunks": 2, "overlap": True, "solve": "doubling"}
 # gla segmented with every parameter it has off its default.
 GLA_SEGMENTED_ALL = {**GLA_PRE_SEQ_ALL, "split": "segmented", "segments": 8}
+# kda's sequential kernel as four warpgroups with roles (two ring buffers); its precompute kernel's Q, K
+# and g tiles copied asynchronously.
+KDA_PRE_SEQ_ROLES = {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}
+KDA_PRE_SEQ_ASYNC = {"split": "pre_seq", "prepare_loads": "async"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -85,12 +89,74 @@ def test_gla_segmented_chains_the_per_channel_transitions_and_the_last_segment_w
     assert "if seg == SEGMENTS - 1:\n                T.copy(S_f, HT[" in source
 
 
-@pytest.mark.parametrize("variant", CHANNEL)
-def test_pre_seq_sequential_kernel_scans_no_gate_and_writes_only_o_and_the_state(variant):
-    source = rendered_config(variant, 128, split="pre_seq").source
+@pytest.mark.parametrize("variant,overrides", [("gla", {}), ("kda", {}), ("kda", KDA_PRE_SEQ_ROLES)],
+                         ids=["gla", "kda", "kda-roles"])
+def test_pre_seq_sequential_kernel_scans_no_gate_and_writes_only_o_and_the_state(variant, overrides):
+    source = rendered_config(variant, 128, **{"split": "pre_seq", **overrides}).source
     sequential = source[source.index("def sequential"):source.index("def programs")]
     assert "T.cumsum" not in sequential and "T.exp2" not in sequential and "T.if_then_else" not in sequential
-    assert set(re.findall(r"T\.copy\(.*, (\w+)\[", sequential)) == {"O", "HT"}
+    # The role-split kernel also hands the state to its other roles through shared memory.
+    shared = {"S_s"} if overrides.get("sequential_roles") else set()
+    assert set(re.findall(r"T\.copy\(.*, (\w+)\[", sequential)) == {"O", "HT"} | shared
+
+
+@pytest.mark.parametrize("dk,block_dv", [(128, 64), (64, 64), (128, 32)])
+def test_kda_role_split_kernel_compiles_clean_and_the_model_knows_its_roles_and_shared_memory(dk, block_dv, tmp_path):
+    rendered = rendered_config("kda", dk, **{**KDA_PRE_SEQ_ROLES, "block_dv": block_dv})
+    report = assert_compiles_clean(rendered, ["prepare", "sequential"], tmp_path)
+    assert next(k for k in report.kernels if k.name == "sequential").threads == 512
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    roles = next(k for k in rendered.kernels if k.name == "sequential").roles
+    # State, new values, output and producer, 128 threads each, caps that share out 64 Ki registers.
+    assert [r.threads for r in roles] == [128] * 4 and sum(r.register_cap for r in roles) == 512
+    # The state role holds DK x block_dv fp32 over its 128 threads, values and output a C x block_dv tile
+    # each (the output role forms no scores: the precompute kernel wrote them).
+    assert [r.live_registers for r in roles] == [dk * block_dv / 128, 64 * block_dv / 128, 64 * block_dv / 128, 0]
+    assert not next(k for k in rendered.prediction.per_kernel if k.name == "sequential").spills
+    # Only the sequential kernel changes: the precompute kernel is the one-warpgroup form's, byte for byte.
+    one_warpgroup = rendered_config("kda", dk, **{**KDA_PRE_SEQ_ROLES, "block_dv": block_dv,
+                                                  "sequential_roles": False, "num_stages": 0}).source
+    prepare = lambda source: source[source.index("def prepare"):source.index("return prepare")]  # noqa: E731
+    assert prepare(rendered.source) == prepare(one_warpgroup)
+    # The producer loads the six tiles of a chunk by TMA and the chunk's GL row by element loads.
+    producer = rendered.source[rendered.source.index("T.set_max_nreg(PRODUCER_REGISTERS"):]
+    assert re.findall(r"T\.tma_copy\((\w+)\[", producer) == ["QG", "KW", "KG", "V", "AB", "AQK"]
+    assert "gl_s[s, d] = GL[bb, c, bh, d]" in producer
+
+
+@pytest.mark.parametrize("dk,packed", [(128, False), (64, True)], ids=["k128-dense", "k64-packed"])
+def test_kda_asynchronous_precompute_loads_compile_clean_and_land_before_the_gates_scan(dk, packed, tmp_path):
+    rendered = rendered_config("kda", dk, **KDA_PRE_SEQ_ASYNC, **({"packed": True} if packed else {}))
+    report = assert_compiles_clean(rendered, ["prepare", "sequential"], tmp_path)
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    copies = [m.start() for m in re.finditer(r"T\.async_copy\(", prepare)]
+    assert [prepare[i:].split("[", 1)[0] for i in copies] == ["T.async_copy(Q", "T.async_copy(K", "T.async_copy(G"]
+    # beta loads under the copies; the wait comes before the scan, the first reader of a copied tile.
+    beta, wait, scan = (prepare.index(s) for s in ("beta_s[i] = ", "T.ptx_wait_group(0)", "T.cumsum("))
+    assert copies[-1] < beta < wait < scan
+    if packed:  # a sequence's last, partial chunk loads through the mask
+        assert prepare.count("if (c + 1) * C <= seqlen:") == 3
+    # Several chunks per precompute block pipeline their loads already: refused, saying why.
+    problem, kda = Problem("kda", dk, dk), space.load("kda")
+    reasons = violations(problem, kda.complete(problem, {**KDA_PRE_SEQ_ASYNC, "prepare_chunks": 2}))
+    assert any("written for one chunk per block" in r for r in reasons), reasons
+
+
+def test_kda_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why():
+    kda, problem = space.load("kda"), Problem("kda", 128, 128)
+    config = kda.complete(problem, KDA_PRE_SEQ_ROLES)
+    assert not violations(problem, config)
+    for change in ({"chunk_size": 32}, {"block_dv": 128}, {"num_stages": 1}, {"overlap": True},
+                   {"warp_specialized": True}):
+        reasons = violations(problem, {**config, **change})
+        assert reasons and any("64 rows per warpgroup" in r for r in reasons), (change, reasons)
+    # The gate compares it with the one-warpgroup kernel, unstaged; a config without it means one warpgroup.
+    assert kda.unstaged_twin(config) == kda.complete(problem, {**KDA_PRE_SEQ_ROLES, "sequential_roles": False,
+                                                               "num_stages": 0})
+    assert "sequential_roles" not in kda.normalise({**config, "sequential_roles": False})
 
 
 @pytest.mark.parametrize("variant,dk,overrides", [("gla", 128, GLA_PRE_SEQ_ALL), ("gla", 64, {"split": "pre_seq"}),
@@ -127,7 +193,7 @@ PLACEMENTS = [
 ]
 
 
-@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks"])
+@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads"])
 def test_every_kda_pre_seq_parameter_changes_the_code(param):
     assert_every_value_changes_source("kda", 128, param, split="pre_seq")
 
@@ -169,10 +235,12 @@ def test_sub_chunks_split_the_exponent(variant, split):
 @pytest.mark.parametrize("variant,overrides", [(v, {"split": s}) for v, s, _ in SPLITS]
                          + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
                             ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_BLOCKS),
-                            ("gla", {"split": "segmented"}), ("gla", GLA_SEGMENTED_ALL)],
+                            ("gla", {"split": "segmented"}), ("gla", GLA_SEGMENTED_ALL),
+                            ("kda", KDA_PRE_SEQ_ROLES), ("kda", KDA_PRE_SEQ_ASYNC)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
-                                                                   "gla-segmented", "gla-segmented-all"])
+                                                                   "gla-segmented", "gla-segmented-all",
+                                                                   "kda-pre_seq-roles", "kda-pre_seq-async"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
