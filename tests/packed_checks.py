@@ -28,6 +28,8 @@ CONFIGS = {
         "chunked": {"split": "chunked", "packed": True, "block_dv_o": 64},
         "roles": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                   "gc_loads": "once", "fast_math": True, "prepare_loads": "async"},
+        "roles-store-warp": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                             "gc_loads": "once", "fast_math": True, "o_store": "store_warp"},
     },
     "kda": {
         "default": PACKED,
@@ -38,6 +40,8 @@ CONFIGS = {
                         "block_dv_o": 128, "block_dk": 64, "num_stages": 2, "threads": 128,
                         "warp_specialized": True, "qk_in": "shared", "system_in": "shared", "wu_in": "fragment"},
         "roles": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2, "prepare_loads": "async"},
+        "roles-store-warp": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                             "o_store": "store_warp"},
     },
 }
 VARIANTS = list(CONFIGS)

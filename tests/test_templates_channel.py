@@ -6,6 +6,7 @@ kernel's own DV block, gla's pre_seq one also off its defaults) matches the fp64
 and without the 0.9 lower bound on the gate, tails and initial state included."""
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -35,7 +36,10 @@ GLA_SEGMENTED_ALL = {**GLA_PRE_SEQ_ALL, "split": "segmented", "segments": 8}
 # kda's sequential kernel as four warpgroups with roles (two ring buffers); its precompute kernel's Q, K
 # and g tiles copied asynchronously.
 KDA_PRE_SEQ_ROLES = {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}
+KDA_PRE_SEQ_ROLES_STORE_WARP = {**KDA_PRE_SEQ_ROLES, "o_store": "store_warp"}
 KDA_PRE_SEQ_ASYNC = {"split": "pre_seq", "prepare_loads": "async"}
+# kda's precompute kernel with the blocks within each sub-chunk summed term by term.
+KDA_PRE_SEQ_ELEMENTWISE = {"split": "pre_seq", "diagonal_blocks": "elementwise"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -145,6 +149,27 @@ def test_kda_asynchronous_precompute_loads_compile_clean_and_land_before_the_gat
     assert any("written for one chunk per block" in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize("dk,overrides", [(128, {}), (64, {}), (128, {"packed": True, "prepare_loads": "async"})],
+                         ids=["k128", "k64", "k128-packed-async"])
+def test_kda_elementwise_diagonal_compiles_clean_and_takes_one_exponential_per_term(dk, overrides, tmp_path):
+    rendered = rendered_config("kda", dk, **KDA_PRE_SEQ_ELEMENTWISE, **overrides)
+    report = assert_compiles_clean(rendered, ["prepare", "sequential"], tmp_path)
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    # The products start at the second sub-chunk and take the earlier sub-chunks' columns only ...
+    assert "for a in T.serial(1, C // SUB):" in prepare and "i // SUB < a," in prepare and "i // SUB <= a" not in prepare
+    # ... and the sums within a sub-chunk share one exponential between the two score tiles.
+    sums = prepare[prepare.index("for i, jj in T.Parallel(C, SUB):"):prepare.index("Dk_s[i, jj] = ")]
+    assert sums.count("T.exp2(") == 1 and "score_q += " in sums and "score_k += " in sums
+    for tile, sums_tile in (("Aqk", "Dq_s"), ("Akk", "Dk_s")):
+        assert f"{tile}[i, j] = T.if_then_else(j // SUB == i // SUB, {sums_tile}[i, j % SUB], {tile}[i, j])" in prepare
+    # One sub-chunk per chunk would leave no product: refused, saying why.
+    problem = Problem("kda", dk, dk)
+    whole = space.load("kda").complete(problem, {**KDA_PRE_SEQ_ELEMENTWISE, "sub_chunk": 64})
+    assert any("leaves no product" in r for r in violations(problem, whole))
+
+
 def test_kda_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why():
     kda, problem = space.load("kda"), Problem("kda", 128, 128)
     config = kda.complete(problem, KDA_PRE_SEQ_ROLES)
@@ -193,7 +218,7 @@ PLACEMENTS = [
 ]
 
 
-@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads"])
+@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads", "diagonal_blocks"])
 def test_every_kda_pre_seq_parameter_changes_the_code(param):
     assert_every_value_changes_source("kda", 128, param, split="pre_seq")
 
@@ -236,11 +261,14 @@ def test_sub_chunks_split_the_exponent(variant, split):
                          + [("kda", {"split": "chunked", "block_dv": 32, "block_dv_o": 64}),
                             ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_BLOCKS),
                             ("gla", {"split": "segmented"}), ("gla", GLA_SEGMENTED_ALL),
-                            ("kda", KDA_PRE_SEQ_ROLES), ("kda", KDA_PRE_SEQ_ASYNC)],
+                            ("kda", KDA_PRE_SEQ_ROLES), ("kda", KDA_PRE_SEQ_ASYNC), ("kda", KDA_PRE_SEQ_ELEMENTWISE),
+                            ("kda", KDA_PRE_SEQ_ROLES_STORE_WARP)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
-                                                                   "kda-pre_seq-roles", "kda-pre_seq-async"])
+                                                                   "kda-pre_seq-roles", "kda-pre_seq-async",
+                                                                   "kda-pre_seq-elementwise",
+                                                                   "kda-pre_seq-roles-store-warp"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
@@ -253,3 +281,23 @@ def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
         cases += (("initial_state", 9 * C + 5),)
     for regime, seqlen in cases:
         oracle_errors(module, compiled, rendered, regime, seqlen)
+
+
+@cuda
+def test_kda_elementwise_diagonal_stays_finite_where_the_products_column_factors_overflow():
+    """A channel decaying by e^-7 a token: over the 15 steps of a 16-token sub-chunk the products' column
+    factor reaches e^105, past fp32's range; the elementwise sums take only exponents <= 0."""
+    from tuner import reference
+    from tuner.inputs import make_inputs
+
+    results = {}
+    for diagonal in ("products", "elementwise"):
+        rendered = rendered_config("kda", 64, "bf16", split="pre_seq", diagonal_blocks=diagonal)
+        module, kernels = load_kernels(rendered)
+        x = make_inputs(rendered.problem, "channel_free", seed=1, device="cuda", batch=1, seqlen=256, heads=2)
+        x["g"][..., 0] = -7.0
+        o, _ = module.forward(kernels, x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], scale=x["scale"])
+        o_ref, _ = reference.chunked("kda", x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], scale=x["scale"])
+        results[diagonal] = ((o.double() - o_ref).norm() / o_ref.norm()).item()
+    assert not math.isfinite(results["products"]), results
+    assert results["elementwise"] < Problem("kda", 64, 64).tolerance, results

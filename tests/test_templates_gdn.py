@@ -20,6 +20,7 @@ from tuner.candidate import Candidate, violations
 from tuner.compile import build_kernels, load_kernels
 from tuner.errors import ConstraintError
 from tuner.problem import Problem
+from tuner.screen import screen
 
 KERNELS = {"fused": ["fused"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"], "pre_seq": ["prepare", "sequential"]}
 PLACEMENTS = ("system_in", "wu_in", "decay_in", "qk_in", "scores_in")
@@ -185,6 +186,39 @@ def test_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why
     assert gdn.unstaged_twin(config) == gdn.complete(problem, {**PRE_SEQ_MERGED, "block_dv": 64, "num_stages": 0})
 
 
+# The role-split kernels (delta.py.j2's, gdn's and kda's) with o stored by a warp of its own.
+STORE_WARP = {"gdn": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp"},
+              "kda": {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                      "o_store": "store_warp"}}
+
+
+@pytest.mark.parametrize("variant,dim,packed", [("gdn", 128, False), ("gdn", 64, True), ("kda", 128, False),
+                                                ("kda", 64, True)])
+def test_the_store_warp_takes_the_o_store_off_the_output_roles_path(variant, dim, packed, tmp_path):
+    rendered = rendered_config(variant, dim, **STORE_WARP[variant], **({"packed": True} if packed else {}))
+    report = assert_compiles_clean(rendered, KERNELS["pre_seq"], tmp_path)
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    kernel = rendered.source[rendered.source.index("def sequential"):rendered.source.index("return sequential")]
+    output = kernel[kernel.index("T.set_max_nreg(OUTPUT_REGISTERS"):kernel.index("T.set_max_nreg(PRODUCER_REGISTERS")]
+    store = kernel[kernel.index("elif tx < 448:"):]
+    # The output role fills O_s[b] and copies no tile out; the store warp copies each whole chunk.
+    assert "O_s[b, i, j] = acc_o[i, j] * scale" in output and "T.copy(O_s" not in output
+    copies = [line.strip() for line in store.splitlines() if "T.copy(" in line]
+    assert len(copies) == 1 and copies[0].startswith("T.copy(O_s[b, :, :], O[")
+    if packed:  # a sequence's last, partial chunk: stored row by row by the output role, not by the warp
+        assert "if (c + 1) * C > seqlen:" in output and "if (c + 1) * C <= seqlen:" in store
+    else:
+        assert "O[" not in output
+    # Two buffers, each handed over by the output role's 128 threads and given back by the warp's 32.
+    assert "output_ready = T.alloc_barrier(arrive_count=[128] * 2)" in kernel
+    assert "output_free = T.alloc_barrier(arrive_count=[32] * 2)" in kernel
+    cuda = next(k for k in report.kernels if k.name == "sequential").cuda_source
+    wrong = cuda.replace("output_free[0].init(32);", "output_free[0].init(64);").replace(
+        "output_free[1].init(32);", "output_free[1].init(64);")
+    assert wrong != cuda and any(f.kind == "mbarrier_arrivals_not_its_count" and f.rejects for f in screen(wrong))
+
+
 @pytest.mark.parametrize("overrides", [PRE_SEQ_ROLES_ASYNC, PRE_SEQ_MERGED_ASYNC], ids=["roles", "merged"])
 def test_asynchronous_precompute_loads_compile_clean_and_land_before_the_first_product(overrides, tmp_path):
     rendered = rendered_config("gdn", 128, **overrides)
@@ -271,10 +305,12 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("chunked", {"solve": "doubling"}), ("chunked", CHUNKED_256),
                                              ("pre_seq", PRE_SEQ_MERGED), ("pre_seq", PRE_SEQ_MERGED_32),
                                              ("pre_seq", PRE_SEQ_ROLES), ("pre_seq", {**PRE_SEQ_MERGED, "decay_in": "shared"}),
-                                             ("pre_seq", PRE_SEQ_ROLES_ASYNC), ("pre_seq", PRE_SEQ_MERGED_ASYNC)],
+                                             ("pre_seq", PRE_SEQ_ROLES_ASYNC), ("pre_seq", PRE_SEQ_MERGED_ASYNC),
+                                             ("pre_seq", STORE_WARP["gdn"])],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
-                              "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async"))
+                              "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
+                              "pre_seq-roles-store-warp"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
