@@ -170,20 +170,6 @@ def test_kda_elementwise_diagonal_compiles_clean_and_takes_one_exponential_per_t
     assert any("leaves no product" in r for r in violations(problem, whole))
 
 
-def test_kda_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why():
-    kda, problem = space.load("kda"), Problem("kda", 128, 128)
-    config = kda.complete(problem, KDA_PRE_SEQ_ROLES)
-    assert not violations(problem, config)
-    for change in ({"chunk_size": 32}, {"block_dv": 128}, {"num_stages": 1}, {"overlap": True},
-                   {"warp_specialized": True}):
-        reasons = violations(problem, {**config, **change})
-        assert reasons and any("64 rows per warpgroup" in r for r in reasons), (change, reasons)
-    # The gate compares it with the one-warpgroup kernel, unstaged; a config without it means one warpgroup.
-    assert kda.unstaged_twin(config) == kda.complete(problem, {**KDA_PRE_SEQ_ROLES, "sequential_roles": False,
-                                                               "num_stages": 0})
-    assert "sequential_roles" not in kda.normalise({**config, "sequential_roles": False})
-
-
 @pytest.mark.parametrize("variant,dk,overrides", [("gla", 128, GLA_PRE_SEQ_ALL), ("gla", 64, {"split": "pre_seq"}),
                                                   ("kda", 128, KDA_PRE_SEQ_ALL), ("kda", 64, {"split": "pre_seq"})],
                          ids=("gla-all-off-default-128", "gla-default-64", "kda-all-off-default-128", "kda-default-64"))

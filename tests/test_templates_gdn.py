@@ -36,6 +36,8 @@ PRE_SEQ_MERGED = {"split": "pre_seq", "solve": "merged", "block_dv": 32}
 PRE_SEQ_MERGED_32 = {**PRE_SEQ_MERGED, "chunk_size": 32}
 # The sequential kernel as four warpgroups with roles (two ring buffers), after the merged solve.
 PRE_SEQ_ROLES = {**PRE_SEQ_MERGED, "block_dv": 64, "sequential_roles": True, "num_stages": 2}
+# Each variant's role-split form (delta.py.j2 writes both).
+ROLES = {"gdn": PRE_SEQ_ROLES, "kda": {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}}
 # Both precompute kernels with their Q and K tiles copied asynchronously (the role split's reads no Q).
 PRE_SEQ_ROLES_ASYNC = {**PRE_SEQ_ROLES, "gc_loads": "once", "fast_math": True, "prepare_loads": "async"}
 PRE_SEQ_MERGED_ASYNC = {**PRE_SEQ_MERGED, "prepare_loads": "async"}
@@ -172,24 +174,25 @@ def test_the_model_sees_a_role_starved_of_registers_as_ptxas_does(tmp_path):
     assert next(k for k in report.kernels if k.name == "sequential").spill_stores > 0
 
 
-def test_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why_and_takes_packed_batches():
-    gdn, problem = space.load("gdn"), Problem("gdn", 128, 128)
-    config = gdn.complete(problem, PRE_SEQ_ROLES)
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why_and_takes_packed_batches(variant):
+    variant_space, problem = space.load(variant), Problem(variant, 128, 128)
+    config = variant_space.complete(problem, ROLES[variant])
     assert not violations(problem, config)
     for change in ({"chunk_size": 32}, {"block_dv": 128}, {"num_stages": 1}, {"overlap": True},
                    {"warp_specialized": True}):
         reasons = violations(problem, {**config, **change})
         assert reasons and any("64 rows per warpgroup" in r for r in reasons), (change, reasons)
-    packed = gdn.complete(problem, {**PRE_SEQ_ROLES, "packed": True})
+    packed = variant_space.complete(problem, {**ROLES[variant], "packed": True})
     assert not violations(problem, packed)
-    # The gate compares it with the one-warpgroup kernel, unstaged.
-    assert gdn.unstaged_twin(config) == gdn.complete(problem, {**PRE_SEQ_MERGED, "block_dv": 64, "num_stages": 0})
+    # The gate compares it with the one-warpgroup kernel, unstaged; a config without it means one warpgroup.
+    one_warpgroup = {**ROLES[variant], "sequential_roles": False, "num_stages": 0}
+    assert variant_space.unstaged_twin(config) == variant_space.complete(problem, one_warpgroup)
+    assert "sequential_roles" not in variant_space.normalise({**config, "sequential_roles": False})
 
 
 # The role-split kernels (delta.py.j2's, gdn's and kda's) with o stored by a warp of its own.
-STORE_WARP = {"gdn": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp"},
-              "kda": {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
-                      "o_store": "store_warp"}}
+STORE_WARP = {"gdn": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp"}, "kda": {**ROLES["kda"], "o_store": "store_warp"}}
 
 
 @pytest.mark.parametrize("variant,dim,packed", [("gdn", 128, False), ("gdn", 64, True), ("kda", 128, False),
