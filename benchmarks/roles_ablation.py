@@ -15,14 +15,14 @@ import sys
 import torch
 
 from kernel_breakdown import per_kernel_ms
+from roles_timeline import ROLES as VARIANT_ROLES
 from tuner import space
 from tuner.candidate import Candidate
 from tuner.compile import load_kernels
 from tuner.inputs import make_inputs
 from tuner.problem import Problem, parse_shape
 
-ROLES = {"split": "pre_seq", "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
-         "gc_loads": "once", "fast_math": True}
+ROLES = VARIANT_ROLES["gdn"]
 O_STORE = ("for i, j in T.Parallel(C, BLOCK_DV):\n                        O_s[i, j] = acc_o[i, j] * scale\n"
            "                    T.copy(O_s, O[bb, c * C:(c + 1) * C, bh, dv0:dv0 + BLOCK_DV])")
 SCORES = ("for i, j in T.Parallel(C, C):\n                        Attn_s[i, j] = T.if_then_else(j <= i, QK[i, j] * "
@@ -32,6 +32,7 @@ QK = "T.gemm(Q_s[s, :, :], K_s[s, :, :], QK, transpose_B=True, clear_accum=True)
 FORMS = {
     "roles, 2 buffers": (ROLES, ()),
     "roles, 3 buffers": ({**ROLES, "num_stages": 3}, ()),
+    "roles, o by the store warp": ({**ROLES, "o_store": "store_warp"}, ()),
     "roles, no o store": (ROLES, (O_STORE,)),
     "roles, no scores": (ROLES, (SCORES,)),
     "roles, output only waits": (ROLES, (SCORES, O_STORE, QK)),
