@@ -239,3 +239,30 @@ def test_role_split_kernel_mbarriers_are_counted(tmp_path):
     producer = src.index("loaded[(c_3 & 1)].arrive();")
     elected = src.replace("loaded[(c_3 & 1)].arrive();", "if (tl::tl_shuffle_elect<32>()) { loaded[(c_3 & 1)].arrive(); }")
     assert producer and "initialised for 32 arrivals a phase and 1 threads arrive" in screen(elected)[0].message
+
+
+@needs_nvcc
+def test_setmaxnreg_against_its_direction_is_refused(tmp_path):
+    """kda's packed role-split kernel once asked setmaxnreg.inc for 104 registers from the 128 its warps
+    start with, and stopped with an illegal instruction on the H100: as rendered now its output role
+    lowers (.dec) to 104; turned back into an .inc, the screen refuses it."""
+    from packed_checks import CONFIGS
+    from template_checks import rendered_config
+
+    report = compile_source(rendered_config("kda", 64, **CONFIGS["kda"]["roles"]), tmp_path)
+    kernel = next(k for k in report.kernels if k.name == "sequential")
+    src = kernel.cuda_source
+    assert report.ok and kernel.registers == 128 and "tl::warpgroup_reg_dealloc<104>();" in src
+    assert screen(src, registers=kernel.registers) == []
+    raised = src.replace("tl::warpgroup_reg_dealloc<104>();", "tl::warpgroup_reg_alloc<104>();")
+    findings = screen(raised, registers=kernel.registers)
+    assert [f.kind for f in findings] == ["setmaxnreg_against_its_direction"] and findings[0].rejects
+    assert "setmaxnreg.inc to 104 registers in a kernel whose warps start at 128" in findings[0].message
+    assert "tl::warpgroup_reg_alloc<104>();" in raised.splitlines()[findings[0].line - 1]
+    # Without ptxas' count an .inc cannot be judged (its start may be lower), a .dec above the launch's
+    # share of registers (128 at 512 threads) always can.
+    assert screen(raised) == []
+    lowered = src.replace("tl::warpgroup_reg_alloc<152>();", "tl::warpgroup_reg_dealloc<152>();")
+    assert [f.message for f in screen(lowered)] == [
+        "setmaxnreg.dec to 152 registers in a kernel whose warps start at 128 (block of 512): .dec can only "
+        "lower the count (an illegal instruction on the GPU)"]

@@ -219,7 +219,7 @@ def build_kernels(candidate, *, arch: str = "sm_90a", cache_dir=None):
             kernels = {}
     report.compile_seconds = round(time.perf_counter() - start, 3)
     for k in report.kernels:
-        report.screen_findings += screen(k.cuda_source, k.threads or threads)
+        report.screen_findings += screen(k.cuda_source, k.threads or threads, k.registers or None)
     _write_atomically(_report_path(candidate, arch, cache_dir), json.dumps(report.as_dict(with_source=False), indent=1))
     return report, module, kernels
 

@@ -15,6 +15,14 @@ thread that reaches an arrival at an array's barrier arrives once per phase, so 
 all its arrival sites must be the count the array was initialised with. Fewer, and the phase
 never completes (a hang); more, and it completes before the arrivals it was meant to wait for.
 
+A kernel that hands registers between warpgroups (``setmaxnreg``: ``tl::warpgroup_reg_alloc<N>`` and
+``warpgroup_reg_dealloc<N>`` in TileLang's CUDA) starts every warp at the registers ptxas gave it (at
+most the launch's share of the register file: 128 at 512 threads). ``.inc`` can only raise a warp's
+count and ``.dec`` only lower it: kda's packed role-split kernel, 128 registers, asked ``.inc`` for
+104 and stopped with an illegal instruction on the H100. The screen rejects an ``.inc`` below the
+kernel's registers (where ptxas' count is given) and a ``.dec`` above them (the launch's share where
+it is not).
+
 A thread-dependent condition the evaluator cannot read (a loop variable, a value loaded from
 memory, ``threadIdx.y``) yields a ``cannot_evaluate`` finding that does NOT reject: a false
 rejection throws away a config for good, while a missed deadlock costs one watchdog timeout in
@@ -26,10 +34,12 @@ every thread (what a condition may use is listed there).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..model.registers import launch_register_cap
 from .condition import CannotEvaluate, evaluate_condition
 from .source import Kernel, barriers, blank_comments_and_strings, branches, integer_definitions, kernels, line_of, mbarriers
 
@@ -38,6 +48,7 @@ __all__ = ["Finding", "screen", "CannotEvaluate", "evaluate_condition"]
 # Finding kinds.
 PARTIAL_BARRIER = "barrier_in_partial_branch"
 MBARRIER_COUNT = "mbarrier_arrivals_not_its_count"
+SETMAXNREG_DIRECTION = "setmaxnreg_against_its_direction"
 CANNOT_EVALUATE = "cannot_evaluate"
 
 
@@ -52,7 +63,7 @@ class Finding:
 
     @property
     def rejects(self) -> bool:
-        return self.kind in (PARTIAL_BARRIER, MBARRIER_COUNT)
+        return self.kind in (PARTIAL_BARRIER, MBARRIER_COUNT, SETMAXNREG_DIRECTION)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,7 +73,7 @@ class Finding:
         return cls(**d)
 
 
-def screen(cuda_source: str, threads: int | None = None) -> list[Finding]:
+def screen(cuda_source: str, threads: int | None = None, registers: int | None = None) -> list[Finding]:
     """Barriers in ``cuda_source`` that fewer threads reach than they wait for.
 
     Args:
@@ -71,9 +82,12 @@ def screen(cuda_source: str, threads: int | None = None) -> list[Finding]:
         threads (int): threads per block. Used for kernels without ``__launch_bounds__``; the
             launch bound wins where present, since warp specialisation adds a producer warpgroup
             to the ``threads`` a program asks for. Default: None.
+        registers (int): registers per thread ptxas gave the kernel (its report), where known: the
+            count every warp starts at, which setmaxnreg moves. Default: None.
 
     Returns:
-        list[Finding]: ``barrier_in_partial_branch`` findings (reject) and ``cannot_evaluate``
+        list[Finding]: ``barrier_in_partial_branch``, ``mbarrier_arrivals_not_its_count`` and
+        ``setmaxnreg_against_its_direction`` findings (reject) and ``cannot_evaluate``
         findings (for a human; do not reject), in source order. Empty for a clean kernel.
     """
     text = blank_comments_and_strings(cuda_source)
@@ -85,6 +99,28 @@ def screen(cuda_source: str, threads: int | None = None) -> list[Finding]:
                                                                  "barriers not checked", kernel.name))
             continue
         findings += _screen_kernel(cuda_source, text, kernel, block)
+        findings += _screen_register_handoff(text, kernel, block, registers)
+    return findings
+
+
+# TileLang's setmaxnreg: tl::warpgroup_reg_alloc<N>() is .inc, tl::warpgroup_reg_dealloc<N>() is .dec.
+_REGISTER_HANDOFF = re.compile(r"tl::warpgroup_reg_(alloc|dealloc)<\s*(\d+)\s*>")
+
+
+def _screen_register_handoff(text: str, kernel: Kernel, block: int, registers: int | None) -> list[Finding]:
+    """setmaxnreg findings of one kernel of ``block`` threads whose warps start at ``registers`` (None:
+    unknown, at most the launch's share): an .inc below the start or a .dec above it, each an illegal
+    instruction on the GPU."""
+    start = registers or launch_register_cap(block)
+    findings = []
+    for m in _REGISTER_HANDOFF.finditer(text, kernel.body_start, kernel.body_end):
+        action, count = m.group(1), int(m.group(2))
+        if (registers is not None and count < start) if action == "alloc" else (count > start):
+            verb, can = ("inc", "raise") if action == "alloc" else ("dec", "lower")
+            findings.append(Finding(SETMAXNREG_DIRECTION, line_of(text, m.start()),
+                                    f"setmaxnreg.{verb} to {count} registers in a kernel whose warps start at "
+                                    f"{start} (block of {block}): .{verb} can only {can} the count (an illegal "
+                                    f"instruction on the GPU)", kernel.name))
     return findings
 
 
