@@ -34,14 +34,14 @@ every thread (what a condition may use is listed there).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ..model.registers import launch_register_cap
 from .condition import CannotEvaluate, evaluate_condition
-from .source import Kernel, barriers, blank_comments_and_strings, branches, integer_definitions, kernels, line_of, mbarriers
+from .source import (Kernel, barriers, blank_comments_and_strings, branches, integer_definitions, kernels, line_of,
+                     mbarriers, register_handoffs)
 
 __all__ = ["Finding", "screen", "CannotEvaluate", "evaluate_condition"]
 
@@ -74,7 +74,8 @@ class Finding:
 
 
 def screen(cuda_source: str, threads: int | None = None, registers: int | None = None) -> list[Finding]:
-    """Barriers in ``cuda_source`` that fewer threads reach than they wait for.
+    """Barriers in ``cuda_source`` that fewer threads reach than they wait for, mbarriers whose
+    arrivals do not match their count, and setmaxnreg calls against their direction.
 
     Args:
         cuda_source (str): CUDA C++ as TileLang generates it (``kernel.get_kernel_source()``); may
@@ -83,7 +84,8 @@ def screen(cuda_source: str, threads: int | None = None, registers: int | None =
             launch bound wins where present, since warp specialisation adds a producer warpgroup
             to the ``threads`` a program asks for. Default: None.
         registers (int): registers per thread ptxas gave the kernel (its report), where known: the
-            count every warp starts at, which setmaxnreg moves. Default: None.
+            count every warp starts at, which setmaxnreg moves; for a source of one kernel (as
+            ``tuner.compile`` passes each kernel's). Default: None.
 
     Returns:
         list[Finding]: ``barrier_in_partial_branch``, ``mbarrier_arrivals_not_its_count`` and
@@ -103,22 +105,17 @@ def screen(cuda_source: str, threads: int | None = None, registers: int | None =
     return findings
 
 
-# TileLang's setmaxnreg: tl::warpgroup_reg_alloc<N>() is .inc, tl::warpgroup_reg_dealloc<N>() is .dec.
-_REGISTER_HANDOFF = re.compile(r"tl::warpgroup_reg_(alloc|dealloc)<\s*(\d+)\s*>")
-
-
 def _screen_register_handoff(text: str, kernel: Kernel, block: int, registers: int | None) -> list[Finding]:
     """setmaxnreg findings of one kernel of ``block`` threads whose warps start at ``registers`` (None:
     unknown, at most the launch's share): an .inc below the start or a .dec above it, each an illegal
     instruction on the GPU."""
     start = registers or launch_register_cap(block)
     findings = []
-    for m in _REGISTER_HANDOFF.finditer(text, kernel.body_start, kernel.body_end):
-        action, count = m.group(1), int(m.group(2))
-        if (registers is not None and count < start) if action == "alloc" else (count > start):
-            verb, can = ("inc", "raise") if action == "alloc" else ("dec", "lower")
-            findings.append(Finding(SETMAXNREG_DIRECTION, line_of(text, m.start()),
-                                    f"setmaxnreg.{verb} to {count} registers in a kernel whose warps start at "
+    for h in register_handoffs(text, kernel.body_start, kernel.body_end):
+        if (registers is not None and h.count < start) if h.increases else (h.count > start):
+            verb, can = ("inc", "raise") if h.increases else ("dec", "lower")
+            findings.append(Finding(SETMAXNREG_DIRECTION, line_of(text, h.pos),
+                                    f"setmaxnreg.{verb} to {h.count} registers in a kernel whose warps start at "
                                     f"{start} (block of {block}): .{verb} can only {can} the count (an illegal "
                                     f"instruction on the GPU)", kernel.name))
     return findings

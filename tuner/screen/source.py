@@ -6,6 +6,7 @@ Barriers recognised: ``__syncthreads()`` (and ``_count/_and/_or``; the whole blo
 ``tl::__sync_thread_partial(id, n)`` (n threads), inline ``bar.sync``/``barrier.sync`` asm, and
 ``tl::AllReduce<op, threads, scale, offset, Barrier>::run`` whose butterfly reaches a shared-memory
 stage (``threads >= 64``; ``tl::NamedBarrier<n>`` waits for n, the default for the block).
+Also the mbarrier arrays a kernel initialises and their arrivals, and its ``setmaxnreg`` calls.
 """
 from __future__ import annotations
 
@@ -269,6 +270,26 @@ def mbarriers(text: str, start: int, end: int) -> tuple[dict[str, int], list[MBa
     arrivals = [MBarrierArrival(m.start(), m.group(1))
                 for m in _MBAR_ARRIVE_RE.finditer(text, start, end) if m.group(1) in arrays]
     return arrays, arrivals
+
+
+# TileLang's setmaxnreg: tl::warpgroup_reg_alloc<N>() is .inc, tl::warpgroup_reg_dealloc<N>() is .dec.
+_REGISTER_HANDOFF_RE = re.compile(r"\btl::warpgroup_reg_(alloc|dealloc)\s*<\s*(\d+)\s*>")
+
+
+@dataclass(frozen=True)
+class RegisterHandoff:
+    """A ``setmaxnreg`` at offset ``pos``: the executing warpgroup's registers per thread set to
+    ``count``, raised (``increases``, .inc) or lowered (.dec)."""
+
+    pos: int
+    increases: bool
+    count: int
+
+
+def register_handoffs(text: str, start: int, end: int) -> list[RegisterHandoff]:
+    """The setmaxnreg calls of a kernel body, in source order."""
+    return [RegisterHandoff(m.start(), m.group(1) == "alloc", int(m.group(2)))
+            for m in _REGISTER_HANDOFF_RE.finditer(text, start, end)]
 
 
 def _split_template_args(s: str) -> list[str]:
