@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 import torch
 
@@ -50,19 +51,23 @@ def _statements(lines: list[str], start: int, indent: str) -> list[tuple[int, in
     return list(zip(firsts, firsts[1:] + [end]))
 
 
-def stamp_loops(source: str, loops: list[int], guard: str, buffer: str) -> tuple[str, list[list[str]]]:
+def stamp_loops(source: str, loops: list[int], guard: str, buffer: str,
+                counter: str | None = None, unstamped: str | None = None) -> tuple[str, list[list[str]]]:
     """``source`` with ``buffer[loop, c, k] = clock64`` (under ``guard``) before statement k of each
-    loop's body and after its last, for the loops whose header is at line index ``loops``; and per
-    loop the labels of its statements (statement k runs between stamps k and k + 1)."""
+    loop's body and after its last, for the blocks whose header is at line index ``loops``; and per
+    loop the labels of its statements (statement k runs between stamps k and k + 1). ``c`` is
+    ``counter``, by default each header's loop variable (``for c in ...``); statements that match the
+    regular expression ``unstamped`` get no stamp of their own (their time falls to the one before)."""
     lines = source.splitlines()
     labels: list[list[str]] = []
     inserts: dict[int, list[str]] = {}
     for loop_id, loop in enumerate(loops):
         body_indent = re.match(r"\s*", lines[loop + 1]).group(0)
-        ranges = _statements(lines, loop + 1, body_indent)
-        counter = lines[loop].split()[1]
+        ranges = [(first, end) for first, end in _statements(lines, loop + 1, body_indent)
+                  if not (unstamped and re.match(unstamped, lines[first].strip()))]
+        index = counter or lines[loop].split()[1]
         stamp = (f"{body_indent}if {guard}:\n"
-                 f"{body_indent}    {buffer}[{loop_id}, {counter}, {{point}}] = T.call_extern(\"int64\", \"clock64\")")
+                 f"{body_indent}    {buffer}[{loop_id}, {index}, {{point}}] = T.call_extern(\"int64\", \"clock64\")")
         labels.append([lines[first].strip() for first, _ in ranges])
         for point, (first, _) in enumerate(ranges):
             inserts.setdefault(first, []).append(stamp.format(point=point))
@@ -111,31 +116,46 @@ def report(stamps: torch.Tensor, labels: list[list[str]], names, reference: int 
             print(f"  {spent:8.0f} | {at:8.0f}  {label[:100]}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", choices=sorted(ROLES), default="gdn")
+def time_stamped(plain: Candidate, source: str, kernel: str, stamps_shape: tuple[int, ...]):
+    """The program ``kernel`` of ``plain`` timed as rendered and as ``source`` (its stamped form, whose
+    forward passes the module's ``STAMPS``), both on one set of inputs (CUDA events): (rendered ms,
+    stamped ms, the stamps of the last run), or None without a GPU, having printed ``source``."""
+    if not torch.cuda.is_available():
+        print(source)
+        print(f"{Path(sys.argv[0]).stem}: needs a CUDA GPU to run; the instrumented source is printed", file=sys.stderr)
+        return None
+    x = make_inputs(plain.problem, "default", 0, torch.device("cuda"))
+    plain_ms = per_kernel_ms(*load_kernels(plain), x)[kernel]
+    module, kernels = load_kernels(Candidate(plain.problem, plain.config, source))
+    stamps = torch.zeros(*stamps_shape, dtype=torch.int64, device="cuda")
+    setattr(module, STAMPS_ARG, stamps)
+    return plain_ms, per_kernel_ms(module, kernels, x)[kernel], stamps
+
+
+def rendered_from_arguments(argv, description: str, configs: dict, default: str, set_help: str):
+    """The candidate that ``--variant`` (one of ``configs``), ``--dk``, ``--shape`` and ``--set`` in ``argv``
+    name (the variant's config ``configs[variant]`` with the --set values), and its number of chunks."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--variant", choices=sorted(configs), default=default)
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--shape", default="4x8192x16", help="BxTxH (default 4x8192x16)")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a parameter of the role-split config (default: ROLES[variant] in this file)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=set_help)
     args = p.parse_args(argv)
     batch, seqlen, heads = parse_shape(args.shape)
     problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
-    config = space.load(args.variant).complete(problem, {**ROLES[args.variant], **parse_overrides(args.set)})
-    plain = Candidate.from_config(problem, config)
+    config = space.load(args.variant).complete(problem, {**configs[args.variant], **parse_overrides(args.set)})
+    return Candidate.from_config(problem, config), -(-seqlen // config["chunk_size"])
+
+
+def main(argv=None) -> int:
+    plain, chunks = rendered_from_arguments(argv, __doc__.splitlines()[0], ROLES, "gdn",
+                                            "a parameter of the role-split config (default: ROLES[variant] in this file)")
     source, labels = instrument(plain.source)
-    if not torch.cuda.is_available():
-        print(source)
-        print("roles_timeline: needs a CUDA GPU to run; the instrumented source is printed", file=sys.stderr)
+    timed = time_stamped(plain, source, "sequential", (len(ROLE_NAMES), chunks, max(len(r) for r in labels) + 1))
+    if timed is None:
         return 2
-    x = make_inputs(problem, "default", 0, torch.device("cuda"))
-    plain_ms = per_kernel_ms(*load_kernels(plain), x)["sequential"]
-    module, kernels = load_kernels(Candidate(problem, config, source))
-    chunks = -(-seqlen // config["chunk_size"])
-    stamps = torch.zeros(len(ROLE_NAMES), chunks, max(len(r) for r in labels) + 1, dtype=torch.int64, device="cuda")
-    setattr(module, STAMPS_ARG, stamps)
-    stamped_ms = per_kernel_ms(module, kernels, x)["sequential"]
-    print(f"config {config}")
+    plain_ms, stamped_ms, stamps = timed
+    print(f"config {plain.config}")
     print(f"sequential kernel: {plain_ms:.3f} ms as rendered, {stamped_ms:.3f} ms stamped; {chunks} chunks")
     report(stamps, labels, [f"{name} role" for name in ROLE_NAMES])
     return 0

@@ -34,7 +34,7 @@ CONFIGS = {
     "kda": {
         "default": PACKED,
         "all": {**PACKED, "sub_chunk": 32, "block_dv": 32, "block_dk": 64, "threads": 128, "prepare_chunks": 2,
-                "overlap": True, "solve": "doubling", "system_in": "shared"},
+                "overlap": True, "solve": "doubling", "system_in": "shared", "score_rows": "sub_chunk"},
         "chunked": {"split": "chunked", "packed": True},
         "chunked-all": {"split": "chunked", "packed": True, "chunk_size": 32, "sub_chunk": 32, "block_dv": 32,
                         "block_dv_o": 128, "block_dk": 64, "num_stages": 2, "threads": 128,

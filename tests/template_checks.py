@@ -1,10 +1,13 @@
 """Checks shared by the template test files (test_templates_{scalar,channel,gdn}.py): render a
 variant's config, compile it through `tuner.compile.build_kernels` and hold the report to ptxas'
-figures and the barrier screen, compare a placement's sources, and run a module's forward() against
-the fp64 chunked oracle."""
+figures and the barrier screen (and the model's shared memory to ptxas'), compare a placement's sources,
+run a module's forward() against the fp64 chunked oracle, and import a script of benchmarks/."""
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +40,27 @@ def assert_compiles_clean(rendered: Candidate, kernels: list[str], cache_dir) ->
     assert not report.wgmma_serialized, [k.name for k in report.kernels if k.wgmma_serialized]
     assert not report.rejected, report.rejected
     return report
+
+
+def assert_compiles_as_modelled(rendered: Candidate, kernels: list[str], cache_dir) -> CompileReport:
+    """``assert_compiles_clean``, and the model's shared memory of every kernel is the launch's, to the byte."""
+    report = assert_compiles_clean(rendered, kernels, cache_dir)
+    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
+        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    return report
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py as a module (a script, not part of the package), importing its neighbours."""
+    folder = Path(__file__).parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module
 
 
 def sources_per_value(variant: str, dk: int, param: str, **overrides) -> dict:

@@ -1,6 +1,7 @@
 """Timing and the memory-bound floor. Floors are checked against hand counts of the bytes."""
 import pytest
 import torch
+from template_checks import benchmark_module
 
 from tuner.bench import H200_COPY_GBPS, floor_bytes, memory_floor_ms, time_forward, time_side_by_side
 from tuner.problem import Problem
@@ -72,13 +73,7 @@ def test_cuda_timing_of_a_copy_is_near_the_copy_rate():
 
 def load_vs_fla():
     """benchmarks/vs_fla.py as a module (it is a script, not part of the package)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("vs_fla", Path(__file__).parents[1] / "benchmarks" / "vs_fla.py")
-    vs_fla = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vs_fla)
-    return vs_fla
+    return benchmark_module("vs_fla")
 
 
 def test_vs_fla_merge_replaces_remeasured_rows_and_keeps_the_rest(tmp_path):

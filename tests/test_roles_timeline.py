@@ -2,28 +2,15 @@
 loop of the real role-split kernel is bracketed by an SM clock stamp, in order, the stamped kernel
 still compiles for sm_90a with the same clean ptxas report, and forward passes the stamp buffer.
 The timeline itself needs the GPU."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-from template_checks import assert_compiles_clean, rendered_config
+from template_checks import assert_compiles_clean, benchmark_module, rendered_config
 from tuner.candidate import Candidate
-
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def roles_timeline():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports kernel_breakdown beside it
-    try:
-        spec = importlib.util.spec_from_file_location("roles_timeline", BENCHMARKS / "roles_timeline.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return benchmark_module("roles_timeline")
 
 
 @pytest.fixture(scope="module", params=["gdn", "kda"])

@@ -10,8 +10,8 @@ import math
 import re
 
 import pytest
-from template_checks import (assert_compiles_clean, assert_every_value_changes_source, cuda, oracle_errors,
-                             rendered_config)
+from template_checks import (assert_compiles_as_modelled, assert_compiles_clean, assert_every_value_changes_source,
+                             cuda, oracle_errors, rendered_config)
 
 from tuner import space
 from tuner.compile import load_kernels
@@ -40,6 +40,10 @@ KDA_PRE_SEQ_ROLES_STORE_WARP = {**KDA_PRE_SEQ_ROLES, "o_store": "store_warp"}
 KDA_PRE_SEQ_ASYNC = {"split": "pre_seq", "prepare_loads": "async"}
 # kda's precompute kernel with the blocks within each sub-chunk summed term by term.
 KDA_PRE_SEQ_ELEMENTWISE = {"split": "pre_seq", "diagonal_blocks": "elementwise"}
+# kda's precompute kernel with each sub-chunk's score products on its own rows.
+KDA_PRE_SEQ_SUB_CHUNK_ROWS = {"split": "pre_seq", "score_rows": "sub_chunk"}
+# kda's (and gla's) precompute kernel scanning its gate with a thread per channel.
+PRE_SEQ_CHANNEL_SCAN = {"split": "pre_seq", "gate_scan": "per_channel"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -153,9 +157,7 @@ def test_kda_asynchronous_precompute_loads_compile_clean_and_land_before_the_gat
                          ids=["k128", "k64", "k128-packed-async"])
 def test_kda_elementwise_diagonal_compiles_clean_and_takes_one_exponential_per_term(dk, overrides, tmp_path):
     rendered = rendered_config("kda", dk, **KDA_PRE_SEQ_ELEMENTWISE, **overrides)
-    report = assert_compiles_clean(rendered, ["prepare", "sequential"], tmp_path)
-    assert {k.name: k.smem_bytes for k in rendered.prediction.per_kernel} == {
-        k.name: k.dynamic_smem_bytes for k in report.kernels}
+    assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
     prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
     # The products start at the second sub-chunk and take the earlier sub-chunks' columns only ...
     assert "for a in T.serial(1, C // SUB):" in prepare and "i // SUB < a," in prepare and "i // SUB <= a" not in prepare
@@ -168,6 +170,67 @@ def test_kda_elementwise_diagonal_compiles_clean_and_takes_one_exponential_per_t
     problem = Problem("kda", dk, dk)
     whole = space.load("kda").complete(problem, {**KDA_PRE_SEQ_ELEMENTWISE, "sub_chunk": 64})
     assert any("leaves no product" in r for r in violations(problem, whole))
+
+
+@pytest.mark.parametrize("dk,overrides", [(128, {}), (64, {"diagonal_blocks": "elementwise"}),
+                                          (128, {"packed": True, "prepare_loads": "async", "sub_chunk": 32}),
+                                          (128, {"threads": 128, "block_dk": 64})],
+                         ids=["k128", "k64-elementwise", "k128-packed-async-sub32", "k128-threads128-bk64"])
+def test_kda_sub_chunk_score_rows_compile_clean_and_multiply_only_their_own_rows(dk, overrides, tmp_path):
+    rendered = rendered_config("kda", dk, **KDA_PRE_SEQ_SUB_CHUNK_ROWS, **overrides)
+    assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
+    prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    # The query-side factors are one sub-chunk's rows (no condition: every factor <= 1) ...
+    assert "Xq_s = T.alloc_shared([SUB, BLOCK_DK], ACCUM)" in prepare
+    assert "for i, d in T.Parallel(SUB, BLOCK_DK):" in prepare and "Q_s[a * SUB + i, kb * BLOCK_DK + d]" in prepare
+    # ... the keys past the sub-chunk's end (its own keys too with the elementwise diagonal) are set to zero
+    # in a branch of their own, so their overflowing exponentials are never taken ...
+    keys = prepare[prepare.index("for i, d in T.Parallel(C, BLOCK_DK):"):prepare.index("T.gemm(Xq_s")]
+    earlier = overrides.get("diagonal_blocks") == "elementwise"
+    assert f"if i // SUB {'<' if earlier else '<='} a:" in keys and "else:\n" in keys and "Kr_s[i, d] = 0.0" in keys
+    assert "T.if_then_else" not in keys
+    # ... and each sub-chunk's products fill SUB x C accumulators, merged into the chunk's scores by row.
+    assert "T.gemm(Xq_s, Kr_s, Aqk_rows, transpose_B=True)" in prepare
+    assert "T.gemm(Xk_s, Kr_s, Akk_rows, transpose_B=True)" in prepare
+    for tile in ("Aqk", "Akk"):
+        assert f"{tile}[i, j] = T.if_then_else(i // SUB == a, {tile}_rows_s[i % SUB, j], {tile}[i, j])" in prepare
+    # Half the shared memory of the chunk-row products at the default block_dk: two blocks fit an SM at DK 128.
+    if (dk, overrides) == (128, {}):
+        chunk_rows = rendered_config("kda", dk, split="pre_seq").prediction.per_kernel[0].smem_bytes
+        assert rendered.prediction.per_kernel[0].smem_bytes < chunk_rows < 228 * 1024 // 2 - 1024 < 2 * rendered.prediction.per_kernel[0].smem_bytes + 2048
+
+
+@pytest.mark.parametrize("variant,dk,overrides,kernels", [
+    ("kda", 128, {}, ["prepare", "sequential"]), ("kda", 64, {"prepare_chunks": 2}, ["prepare", "sequential"]),
+    ("kda", 128, {"packed": True, "prepare_loads": "async", "score_rows": "sub_chunk"}, ["prepare", "sequential"]),
+    ("gla", 128, {}, ["prepare", "sequential"]), ("gla", 128, {"packed": True}, ["prepare", "sequential"]),
+    ("gla", 64, {"split": "segmented"}, ["prepare", "segment_state", "sequential"])],
+    ids=["kda-k128", "kda-k64-two-chunks", "kda-k128-packed-async-sub-chunk-rows", "gla-k128", "gla-k128-packed",
+         "gla-k64-segmented"])
+def test_per_channel_gate_scan_compiles_clean_and_walks_the_rows_in_one_thread(variant, dk, overrides, kernels,
+                                                                                tmp_path):
+    rendered = rendered_config(variant, dk, **{**PRE_SEQ_CHANNEL_SCAN, **overrides})
+    # The model is 768 B short of kda's two-chunk precompute blocks (known): their shared memory is not held to it.
+    check = assert_compiles_clean if overrides.get("prepare_chunks", 1) > 1 else assert_compiles_as_modelled
+    report = check(rendered, kernels, tmp_path)
+    prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    assert "T.cumsum(" not in prepare
+    gam = "gam_s" if overrides.get("prepare_chunks", 1) > 1 else "G_s"
+    scan = [line.strip() for line in prepare[prepare.index("gate_sum = T.alloc_var(ACCUM)"):].splitlines()[:6]]
+    assert scan == ["gate_sum = T.alloc_var(ACCUM)", "for d in T.Parallel(DK):", "gate_sum = 0.0",
+                    "for i in T.unroll(C):", "gate_sum += G_s[i, d]", f"{gam}[i, d] = gate_sum"]
+    # In CUDA: the first DK threads, one channel each, the running sum in a register; consecutive threads
+    # read consecutive floats of a row, so no two lanes of a warp share a bank.
+    cuda_source = next(k.cuda_source for k in report.kernels if k.name == "prepare")
+    assert re.search(rf"if \(\(\(int\)threadIdx\.x\) < {dk}\) {{\s*gate_sum = 0x0p\+0f", cuda_source)
+    assert re.search(rf"gate_sum = \(gate_sum \+ \(\(float\*\)G_s\)\[\(\((?:i_\d+ \* {dk}|\d+)\) \+ \(\(int\)threadIdx\.x\)\)\]\);",
+                     cuda_source)
+
+
+def test_kda_sub_chunk_score_rows_need_several_sub_chunks_a_chunk():
+    problem = Problem("kda", 128, 128)
+    whole = space.load("kda").complete(problem, {**KDA_PRE_SEQ_SUB_CHUNK_ROWS, "sub_chunk": 64})
+    assert any("would only add the merge" in r for r in violations(problem, whole))
 
 
 @pytest.mark.parametrize("variant,dk,overrides", [("gla", 128, GLA_PRE_SEQ_ALL), ("gla", 64, {"split": "pre_seq"}),
@@ -204,9 +267,15 @@ PLACEMENTS = [
 ]
 
 
-@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads", "diagonal_blocks"])
+@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads", "diagonal_blocks",
+                                   "score_rows", "gate_scan"])
 def test_every_kda_pre_seq_parameter_changes_the_code(param):
     assert_every_value_changes_source("kda", 128, param, split="pre_seq")
+
+
+@pytest.mark.parametrize("split", ["pre_seq", "segmented"])
+def test_gla_gate_scan_changes_the_code_of_both_precompute_splits(split):
+    assert_every_value_changes_source("gla", 128, "gate_scan", split=split)
 
 
 @pytest.mark.parametrize("variant,split,param,needle,others", PLACEMENTS)
@@ -248,13 +317,17 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("gla", GLA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_ALL), ("kda", KDA_PRE_SEQ_BLOCKS),
                             ("gla", {"split": "segmented"}), ("gla", GLA_SEGMENTED_ALL),
                             ("kda", KDA_PRE_SEQ_ROLES), ("kda", KDA_PRE_SEQ_ASYNC), ("kda", KDA_PRE_SEQ_ELEMENTWISE),
-                            ("kda", KDA_PRE_SEQ_ROLES_STORE_WARP)],
+                            ("kda", KDA_PRE_SEQ_ROLES_STORE_WARP), ("kda", KDA_PRE_SEQ_SUB_CHUNK_ROWS),
+                            ("kda", PRE_SEQ_CHANNEL_SCAN), ("gla", PRE_SEQ_CHANNEL_SCAN)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
                                                                    "kda-pre_seq-roles", "kda-pre_seq-async",
                                                                    "kda-pre_seq-elementwise",
-                                                                   "kda-pre_seq-roles-store-warp"])
+                                                                   "kda-pre_seq-roles-store-warp",
+                                                                   "kda-pre_seq-sub-chunk-rows",
+                                                                   "kda-pre_seq-channel-scan",
+                                                                   "gla-pre_seq-channel-scan"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)

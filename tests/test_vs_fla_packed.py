@@ -1,12 +1,11 @@
 """benchmarks/vs_fla.py's packed rows (issue 19), checked on the CPU: the inputs, the row's key, the floor,
 which variants get them, and that ours, FLA and the dispatch are all called with the packed sequences.
 The timings themselves need the H200 and FLA."""
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from template_checks import benchmark_module
 
 from tuner import ops
 from tuner.bench import H200_COPY_GBPS, Timing, memory_floor_ms
@@ -18,10 +17,7 @@ from tuner.variants import VARIANTS
 @pytest.fixture(scope="module")
 def vs_fla():
     """benchmarks/vs_fla.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("vs_fla", Path(__file__).parents[1] / "benchmarks" / "vs_fla.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("vs_fla")
 
 
 @pytest.fixture
