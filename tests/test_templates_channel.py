@@ -174,8 +174,9 @@ def test_kda_elementwise_diagonal_compiles_clean_and_takes_one_exponential_per_t
 
 @pytest.mark.parametrize("dk,overrides", [(128, {}), (64, {"diagonal_blocks": "elementwise"}),
                                           (128, {"packed": True, "prepare_loads": "async", "sub_chunk": 32}),
-                                          (128, {"threads": 128, "block_dk": 64})],
-                         ids=["k128", "k64-elementwise", "k128-packed-async-sub32", "k128-threads128-bk64"])
+                                          (128, {"threads": 128, "block_dk": 64}), (64, {"chunk_size": 32, "threads": 128})],
+                         ids=["k128", "k64-elementwise", "k128-packed-async-sub32", "k128-threads128-bk64",
+                              "k64-c32-threads128"])
 def test_kda_sub_chunk_score_rows_compile_clean_and_multiply_only_their_own_rows(dk, overrides, tmp_path):
     rendered = rendered_config("kda", dk, **KDA_PRE_SEQ_SUB_CHUNK_ROWS, **overrides)
     assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
@@ -227,10 +228,14 @@ def test_per_channel_gate_scan_compiles_clean_and_walks_the_rows_in_one_thread(v
                      cuda_source)
 
 
-def test_kda_sub_chunk_score_rows_need_several_sub_chunks_a_chunk():
-    problem = Problem("kda", 128, 128)
-    whole = space.load("kda").complete(problem, {**KDA_PRE_SEQ_SUB_CHUNK_ROWS, "sub_chunk": 64})
+def test_kda_sub_chunk_score_rows_constraints_refuse_saying_why():
+    problem, kda = Problem("kda", 128, 128), space.load("kda")
+    whole = kda.complete(problem, {**KDA_PRE_SEQ_SUB_CHUNK_ROWS, "sub_chunk": 64})
     assert any("would only add the merge" in r for r in violations(problem, whole))
+    # A 16 x 32 score tile cannot be shared out over 8 warps (it compiles over 4: see above).
+    small = kda.complete(problem, {**KDA_PRE_SEQ_SUB_CHUNK_ROWS, "chunk_size": 32, "threads": 256})
+    assert any("No valid warp partition" in r for r in violations(problem, small))
+    assert not violations(problem, {**small, "threads": 128})
 
 
 @pytest.mark.parametrize("variant,dk,overrides", [("gla", 128, GLA_PRE_SEQ_ALL), ("gla", 64, {"split": "pre_seq"}),
