@@ -17,9 +17,8 @@ import sys
 
 import torch
 
-from roles_timeline import rendered_from_arguments, stamp_loops, time_stamped
+from roles_timeline import STAMPS_ARG, rendered_from_arguments, stamp_loops, time_stamped
 
-STAMPS_ARG = "STAMPS"
 # The variants with a pre_seq precompute kernel, and the config each starts from (--set changes it).
 VARIANTS = {"gdn": {"split": "pre_seq"}, "gla": {"split": "pre_seq"}, "kda": {"split": "pre_seq"}}
 # The precompute kernel's block: one chunk c of head bh in batch bb.
@@ -31,9 +30,8 @@ PREPARE_CALL = re.compile(r'kernels\["prepare"\]\((.*)\)')
 
 def instrument(source: str) -> tuple[str, list[str]]:
     """The rendered pre_seq module with stamps around every statement of the precompute kernel's body
-    but its buffer declarations,
-    the stamp buffer ``[1, chunks, statements + 1]`` as that kernel's last argument, passed by
-    ``forward`` from the module's global ``STAMPS``; and the labels of the statements."""
+    but its buffer declarations, the stamp buffer ``[1, chunks, statements + 1]`` as that kernel's last
+    argument, passed by ``forward`` from the module's global ``STAMPS``; and the labels of the statements."""
     lines = source.splitlines()
     headers = [i for i, line in enumerate(lines) if HEADER.match(line)]
     if len(headers) != 1:

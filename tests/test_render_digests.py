@@ -6,9 +6,8 @@ hashed per variant, dimension and split. A template change that alters emitted c
 that is meant (a new parameter value, a new form), rewrite the record with ``python
 tests/test_render_digests.py`` and say in the commit which configs changed. Not the whole product:
 kda's pre_seq split alone has 746,496 configs (kda's whole grid took 10.6 minutes to render on one core
-when it had 200,448), where a change
-that shows only when five parameters are off their defaults together is rare, and the shipped winners
-are checked one by one.
+when it had 200,448), where a change that shows only when five parameters are off their defaults
+together is rare, and the shipped winners are checked one by one.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def covering_configs(sp: space.Space, changed: int = 4) -> list[dict]:
     every set of up to ``changed`` parameters changed to other values of theirs, in declaration order,
     normalised, each config once."""
     names = [n for n in sp.params if n != "split"]
-    defaults = {n: p.default for n, p in sp.params.items() if p.default is not None}
+    defaults = sp._defaults()
     bases = [{**defaults, "split": s} for s in sp.params["split"].values] if "split" in sp.params else [defaults]
     seen, out = set(), []
     for base in bases:
@@ -53,7 +52,7 @@ def covering_configs(sp: space.Space, changed: int = 4) -> list[dict]:
     return out
 
 
-def grid_digests(variant: str) -> dict[str, str]:
+def record_digests(variant: str) -> dict[str, str]:
     """``"<dk>/<split>"`` -> sha256 over the rendered sources of ``variant``'s covering configs at
     DK = DV = dk in bf16, in their order (the config's JSON before each source)."""
     out: dict[str, hashlib._Hash] = {}
@@ -67,9 +66,9 @@ def grid_digests(variant: str) -> dict[str, str]:
     return {key: h.hexdigest() for key, h in out.items()}
 
 
-def all_grid_digests() -> dict[str, dict[str, str]]:
+def all_record_digests() -> dict[str, dict[str, str]]:
     with ProcessPoolExecutor(2) as pool:
-        return dict(zip(NAMES, pool.map(grid_digests, NAMES)))
+        return dict(zip(NAMES, pool.map(record_digests, NAMES)))
 
 
 def test_every_shipped_winner_renders_to_its_stored_digest():
@@ -82,9 +81,9 @@ def test_every_shipped_winner_renders_to_its_stored_digest():
 @pytest.mark.slow
 def test_every_four_parameter_values_of_every_space_render_as_recorded():
     recorded = json.loads(RECORD.read_text())
-    assert all_grid_digests() == recorded
+    assert all_record_digests() == recorded
 
 
 if __name__ == "__main__":
-    RECORD.write_text(json.dumps(all_grid_digests(), indent=1, sort_keys=True) + "\n")
+    RECORD.write_text(json.dumps(all_record_digests(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {RECORD}", file=sys.stderr)
