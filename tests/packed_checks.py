@@ -42,6 +42,11 @@ CONFIGS = {
         "roles": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2, "prepare_loads": "async"},
         "roles-store-warp": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                              "o_store": "store_warp"},
+        # The precompute kernel's fastest forms on the H100: row factors once (whole rows: block_dk = DK
+        # of the GPU tests, 64), bf16 operands, a thread per channel's gate scan.
+        "roles-rows-once": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                            "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
+                            "block_dk": 64, "gate_scan": "per_channel", "solve": "column"},
     },
 }
 VARIANTS = list(CONFIGS)

@@ -66,7 +66,8 @@ def tolerance(variant):
                                ("gdn", 128, "chunked"), ("gdn", 64, "roles"), ("gdn", 128, "roles"),
                                ("kda", 64, "default"), ("kda", 128, "default"),
                                ("kda", 128, "all"), ("kda", 64, "chunked"), ("kda", 128, "chunked"),
-                               ("kda", 128, "chunked-all"), ("kda", 64, "roles"), ("kda", 128, "roles")]])
+                               ("kda", 128, "chunked-all"), ("kda", 64, "roles"), ("kda", 128, "roles"),
+                               ("kda", 64, "roles-rows-once")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
@@ -118,9 +119,9 @@ def test_the_gdn_role_split_kernel_reads_gate_rows_inside_the_sequence_and_copie
     assert prepare[n + 3].strip() == "K_s[i, d] = T.if_then_else(c * C + i < seqlen, K[bos + c * C + i, h, d], 0)"
 
 
-@pytest.mark.parametrize("variant,split", [("gdn", "pre_seq"), ("kda", "chunked")], ids=VARIANTS)
+@pytest.mark.parametrize("variant,split", [("gdn", "pre_seq"), ("kda", "pre_seq")], ids=VARIANTS)
 def test_packed_is_set_by_the_caller_and_never_searched(variant, split):
-    """A packed call's default is ``split``: gdn's pre_seq, kda's chunked."""
+    """A packed call's default is ``split``: pre_seq for both (kda's role-split form)."""
     variant_space, problem = space.load(variant), Problem(variant, 128, 128)
     assert not any(c.get("packed") for c in variant_space.grid())
     assert "packed" not in variant_space.default(problem)
@@ -236,7 +237,7 @@ def compiled():
 
 @cuda
 @pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all", "roles",
-                                                   "roles-store-warp"))
+                                                   "roles-store-warp", "roles-rows-once"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,

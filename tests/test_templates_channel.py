@@ -44,6 +44,10 @@ KDA_PRE_SEQ_ELEMENTWISE = {"split": "pre_seq", "diagonal_blocks": "elementwise"}
 KDA_PRE_SEQ_SUB_CHUNK_ROWS = {"split": "pre_seq", "score_rows": "sub_chunk"}
 # kda's (and gla's) precompute kernel scanning its gate with a thread per channel.
 PRE_SEQ_CHANNEL_SCAN = {"split": "pre_seq", "gate_scan": "per_channel"}
+# kda's precompute kernel with its score factors staged in bf16.
+KDA_PRE_SEQ_BF16_OPERANDS = {"split": "pre_seq", "score_operands": "bfloat16"}
+# kda's precompute kernel with its row factors formed once a chunk (whole rows of DK: block_dk = DK).
+KDA_PRE_SEQ_ROWS_ONCE = {"split": "pre_seq", "row_factors": "once"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -224,6 +228,63 @@ def test_per_channel_gate_scan_compiles_clean_and_walks_the_rows_in_one_thread(v
                      cuda_source)
 
 
+@pytest.mark.parametrize("dk,overrides", [(128, {"score_operands": "bfloat16"}), (128, {}),
+                                          (64, {"score_operands": "bfloat16", "solve": "blocked", "threads": 128}),
+                                          (128, {"score_operands": "bfloat16", "packed": True, "prepare_loads": "async",
+                                                 "gate_scan": "per_channel"})],
+                         ids=["k128-bf16", "k128-fp32", "k64-bf16-blocked-threads128", "k128-bf16-packed-async-scan"])
+def test_kda_rows_once_compile_as_modelled_and_form_each_row_factor_once(dk, overrides, tmp_path):
+    rendered = rendered_config("kda", dk, **KDA_PRE_SEQ_ROWS_ONCE, block_dk=dk, **overrides)
+    assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
+    prepare = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    stage = '"bfloat16"' if overrides.get("score_operands") == "bfloat16" else "ACCUM"
+    for tile in ("Xq_s", "Xk_s", "Kd_s", "Kr_s"):
+        assert f"{tile} = T.alloc_shared([C, DK], {stage})" in prepare
+    # No C x C score accumulator: one product fragment, its rows stored where they are kept.
+    assert "P_f = T.alloc_fragment([C, C], ACCUM)" in prepare and "Aqk = T.alloc_fragment" not in prepare
+    # Every exponential of the factors against the row's own sub-chunk start comes before the loop over
+    # sub-chunks, once, a statement each; inside it the keys are rescaled to sub-chunk a's start by the
+    # references alone (gamma's tile is no longer read), the later ones set to zero in a branch of their own.
+    rows, loop = prepare.split("for a in T.serial(C // SUB):", 1)
+    rows = rows[rows.index("# Every row against its own"):]
+    assert rows.count("for i, d in T.Parallel(C, DK):") == 3
+    assert "Xq_s[i, d] = T.Cast(ACCUM, Q_s[i, d]) * T.exp2((G_s[i, d] - G_s[i // SUB * SUB, d]) * LOG2E)" in rows
+    assert "Kd_s[i, d] = T.Cast(ACCUM, K_s[i, d]) * T.exp2((G_s[i // SUB * SUB, d] - G_s[i, d]) * LOG2E)" in rows
+    assert "R_s[b, d] = G_s[b * SUB, d]" in rows
+    assert "G_s" not in loop and "Xq_s[i, d] =" not in loop and "Xk_s[i, d] =" not in loop
+    keys = loop[:loop.index("T.gemm(")]
+    assert "Kr_s[i, d] = Kd_s[i, d] * T.exp2((R_s[a, d] - R_s[i // SUB, d]) * LOG2E)" in keys
+    assert "if i // SUB <= a:" in keys and "Kr_s[i, d] = 0.0" in keys and "T.if_then_else" not in keys
+    assert loop.count("T.gemm(") == 2 and loop.count("clear_accum=True") == 2
+    # Sub-chunk a's rows go to the causal scores and the transposed system (no separate mask pass).
+    assert "A_cast[i, j] = T.if_then_else(j <= i, P_f[i, j], 0.0)" in loop
+    assert "L_s[j, i] = T.if_then_else(j < i, P_f[i, j] * beta_s[j], 0.0)" in loop
+    assert prepare.count("if i // SUB == a:") == 2
+    assert "T.copy(Aqk, A_cast)" not in prepare
+    # The Q, K and gamma tiles are free once read: two precompute blocks fit an SM at DK 128 in bf16.
+    if (dk, overrides) == (128, {"score_operands": "bfloat16"}):
+        assert rendered.prediction.per_kernel[0].smem_bytes <= 228 * 1024 // 2 - 1024
+
+
+def test_kda_rows_once_constraints_refuse_saying_why():
+    problem, kda = Problem("kda", 128, 128), space.load("kda")
+    sliced = kda.complete(problem, {**KDA_PRE_SEQ_ROWS_ONCE, "block_dk": 64})
+    assert any("whole rows of DK" in r for r in violations(problem, sliced))
+    for other in ({"diagonal_blocks": "elementwise"}, {"score_rows": "sub_chunk"}):
+        config = kda.complete(problem, {**KDA_PRE_SEQ_ROWS_ONCE, "block_dk": 128, **other})
+        assert any("no C x C accumulator" in r for r in violations(problem, config))
+    assert not violations(problem, kda.complete(problem, {**KDA_PRE_SEQ_ROWS_ONCE, "block_dk": 128}))
+
+
+def test_kda_score_operands_stage_the_factors_in_their_dtype():
+    for rows, overrides in (("per_sub_chunk", {}), ("sub_chunk", {"score_rows": "sub_chunk"}),
+                            ("once", {**KDA_PRE_SEQ_ROWS_ONCE, "block_dk": 128})):
+        sources = assert_every_value_changes_source("kda", 128, "score_operands", **{"split": "pre_seq", **overrides})
+        for dtype, stage in (("float32", "ACCUM"), ("bfloat16", '"bfloat16"')):
+            allocations = re.findall(r"(?:Xq_s|Xk_s|Kd_s|Kr_s) = T\.alloc_shared\(\[\w+, \w+\], (.+)\)", sources[dtype])
+            assert allocations == [stage] * (4 if rows == "once" else 3), (rows, dtype, allocations)
+
+
 def test_kda_sub_chunk_score_rows_constraints_refuse_saying_why():
     problem, kda = Problem("kda", 128, 128), space.load("kda")
     whole = kda.complete(problem, {**KDA_PRE_SEQ_SUB_CHUNK_ROWS, "sub_chunk": 64})
@@ -269,14 +330,23 @@ PLACEMENTS = [
 
 
 @pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads", "diagonal_blocks",
-                                   "score_rows", "gate_scan"])
+                                   "score_rows", "gate_scan", "row_factors", "score_operands"])
 def test_every_kda_pre_seq_parameter_changes_the_code(param):
-    assert_every_value_changes_source("kda", 128, param, split="pre_seq")
+    # row_factors once takes whole rows of DK.
+    assert_every_value_changes_source("kda", 128, param, split="pre_seq", **({"block_dk": 128} if param == "row_factors" else {}))
 
 
+@pytest.mark.parametrize("param", ["gate_scan", "score_operands"])
 @pytest.mark.parametrize("split", ["pre_seq", "segmented"])
-def test_gla_gate_scan_changes_the_code_of_both_precompute_splits(split):
-    assert_every_value_changes_source("gla", 128, "gate_scan", split=split)
+def test_gla_precompute_parameters_change_the_code_of_both_precompute_splits(split, param):
+    assert_every_value_changes_source("gla", 128, param, split=split)
+
+
+def test_gla_bf16_score_operands_compile_as_modelled(tmp_path):
+    rendered = rendered_config("gla", 128, split="pre_seq", score_operands="bfloat16")
+    assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
+    assert re.findall(r'(?:Xq_s|Kr_s) = T\.alloc_shared\(\[C, BLOCK_DK\], "bfloat16"\)', rendered.source) == [
+        'Xq_s = T.alloc_shared([C, BLOCK_DK], "bfloat16")', 'Kr_s = T.alloc_shared([C, BLOCK_DK], "bfloat16")']
 
 
 @pytest.mark.parametrize("variant,split,param,needle,others", PLACEMENTS)
@@ -319,7 +389,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("gla", {"split": "segmented"}), ("gla", GLA_SEGMENTED_ALL),
                             ("kda", KDA_PRE_SEQ_ROLES), ("kda", KDA_PRE_SEQ_ASYNC), ("kda", KDA_PRE_SEQ_ELEMENTWISE),
                             ("kda", KDA_PRE_SEQ_ROLES_STORE_WARP), ("kda", KDA_PRE_SEQ_SUB_CHUNK_ROWS),
-                            ("kda", PRE_SEQ_CHANNEL_SCAN), ("gla", PRE_SEQ_CHANNEL_SCAN)],
+                            ("kda", PRE_SEQ_CHANNEL_SCAN), ("gla", PRE_SEQ_CHANNEL_SCAN),
+                            ("kda", KDA_PRE_SEQ_BF16_OPERANDS), ("gla", {"split": "pre_seq", "score_operands": "bfloat16"})],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
@@ -328,7 +399,9 @@ def test_sub_chunks_split_the_exponent(variant, split):
                                                                    "kda-pre_seq-roles-store-warp",
                                                                    "kda-pre_seq-sub-chunk-rows",
                                                                    "kda-pre_seq-channel-scan",
-                                                                   "gla-pre_seq-channel-scan"])
+                                                                   "gla-pre_seq-channel-scan",
+                                                                   "kda-pre_seq-bf16-operands",
+                                                                   "gla-pre_seq-bf16-operands"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
@@ -340,6 +413,18 @@ def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     if overrides["split"] == "segmented":
         cases += (("initial_state", 9 * C + 5),)
     for regime, seqlen in cases:
+        oracle_errors(module, compiled, rendered, regime, seqlen)
+
+
+@cuda
+@pytest.mark.parametrize("operands", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
+def test_kda_rows_once_matches_fp64_oracle(operands, dk, dtype):
+    rendered = rendered_config("kda", dk, dtype, **KDA_PRE_SEQ_ROWS_ONCE, block_dk=dk, score_operands=operands,
+                               solve="blocked")
+    module, compiled = load_kernels(rendered)
+    C = rendered.config["chunk_size"]
+    for regime, seqlen in (("channel_lb0.9", 4 * C), ("channel_free", 3 * C + 17), ("initial_state", 2 * C + 1)):
         oracle_errors(module, compiled, rendered, regime, seqlen)
 
 

@@ -254,6 +254,33 @@ def _top_level(statements: list[ast.stmt], threads: int, env: dict, shared: dict
     return out
 
 
+def _scope_level(merged: list[ast.stmt]) -> int:
+    """The merge pass's scope level of a top-level statement: 1 for a loop whose body is a sequence of
+    statements (directly or in a branch of a lone ``if``), else 0."""
+    stmt = merged[0]
+    if len(merged) > 1 or not isinstance(stmt, ast.For):
+        return 0
+    body = stmt.body
+    if len(body) == 1 and isinstance(body[0], ast.If):
+        return int(len(body[0].body) > 1 or len(body[0].orelse) > 1)
+    return int(len(body) > 1)
+
+
+def _deferred_kills(uses: dict[str, tuple[int, int]], levels: list[int]) -> dict[str, tuple[int, int]]:
+    """``uses`` with the merge pass's kill points moved: a buffer last touched at a deeper scope level
+    than it was first touched at lives on to the last statement, among those where some buffer is
+    first or last touched, before the next such statement back at its first touch's level."""
+    events = sorted({i for span in uses.values() for i in span})
+    moved = {}
+    for buf, (first, last) in uses.items():
+        if levels[last] > levels[first]:
+            later = [i for i in events if i > last]
+            back = next((k for k, i in enumerate(later) if levels[i] == levels[first]), len(later))
+            last = later[back - 1] if back else last
+        moved[buf] = (first, last)
+    return moved
+
+
 def _copy_guard(stmt: ast.stmt, threads: int, shared: dict) -> int | None:
     """The thread-index bound a ``T.copy`` of a shared vector lowers under: its elements, when
     fewer than ``threads``; else None."""
@@ -346,10 +373,12 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
                                           and call_name(s.value.func) in ALLOCATORS)]
     uses: dict[str, tuple[int, int]] = {}
     vectors = {b.name: b.shape for b in buffers if b.scope == "shared"}
-    for index, merged in enumerate(_top_level(body, threads, env, vectors)):
+    top = _top_level(body, threads, env, vectors)
+    for index, merged in enumerate(top):
         for buf in set().union(*(names(stmt) for stmt in merged)) & allocated:
             first, _ = uses.get(buf, (index, index))
             uses[buf] = (first, index)
+    uses = _deferred_kills(uses, [_scope_level(merged) for merged in top])
 
     # Live ranges per leaf statement: a buffer lives from its first to its last mention, and
     # through the end of a sequential loop it is used in but was alive before (the merge pass
