@@ -11,7 +11,6 @@ import pytest
 
 from tuner import baseline, stack
 from tuner.candidate import Candidate
-from tuner.bench import MIN_SHIFT
 from tuner.problem import Problem
 from tuner.stack import Stack
 from tuner.regress import judge, judge_history, replay, versus_fla
