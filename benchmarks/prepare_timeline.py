@@ -21,8 +21,9 @@ from roles_timeline import STAMPS_ARG, rendered_from_arguments, stamp_loops, tim
 
 # The variants with a pre_seq precompute kernel, and the config each starts from (--set changes it).
 VARIANTS = {"gdn": {"split": "pre_seq"}, "gla": {"split": "pre_seq"}, "kda": {"split": "pre_seq"}}
-# The precompute kernel's block: one chunk c of head bh in batch bb.
-HEADER = re.compile(r"^(\s*)with T\.Kernel\(T\.ceildiv\(S, C(?: \* 1)?\), H, B, threads=THREADS\) as \(c, bh, bb\):$")
+# The precompute kernel's block: one chunk c of head bh in batch bb (either grid order: prepare_grid).
+HEADER = re.compile(r"^(\s*)with T\.Kernel\((?:T\.ceildiv\(S, C(?: \* 1)?\), H|H, T\.ceildiv\(S, C(?: \* 1)?\)), B, "
+                    r"threads=THREADS\) as \((?:c, bh|bh, c), bb\):$")
 # Buffer declarations take no time: no stamps of their own.
 ALLOCATION = r"\w+ = T\.alloc_"
 PREPARE_CALL = re.compile(r'kernels\["prepare"\]\((.*)\)')
@@ -41,12 +42,14 @@ def instrument(source: str) -> tuple[str, list[str]]:
                                unstamped=ALLOCATION)
     body_indent = HEADER.match(header).group(1) + "    "
     text = text.replace(header + "\n", f"{header}\n{body_indent}tx = T.get_thread_binding()\n", 1)
-    signature = f"    ):\n{header}"
+    # The end of the prim_func's parameters, then the block's header (a comment may come between).
+    signature = re.search(r"^    \):\n(?:\s*#.*\n)*" + re.escape(header) + "$", text, re.M)
     call = PREPARE_CALL.search(text)
-    if signature not in text or call is None:
+    if signature is None or call is None:
         raise SystemExit("prepare_timeline: the precompute kernel's signature or its call changed")
     points = len(labels[0]) + 1
-    text = text.replace(signature, f"        {STAMPS_ARG}: T.Tensor([1, T.ceildiv(S, C), {points}], \"int64\"),\n{signature}")
+    text = (text[:signature.start()] + f"        {STAMPS_ARG}: T.Tensor([1, T.ceildiv(S, C), {points}], \"int64\"),\n"
+            + text[signature.start():])
     text = text.replace(call.group(0), f"{STAMPS_ARG}.zero_()\n    {call.group(0)[:-1]}, {STAMPS_ARG})")
     return text, labels[0]
 

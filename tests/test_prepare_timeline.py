@@ -9,9 +9,12 @@ import pytest
 from template_checks import assert_compiles_clean, benchmark_module, rendered_config
 from tuner.candidate import Candidate
 
-CONFIGS = {"kda": {"split": "pre_seq", "score_rows": "sub_chunk"},
-           "gdn": {"split": "pre_seq", "solve": "merged", "prepare_loads": "async"},
-           "gla": {"split": "pre_seq"}}
+# name -> (variant, config); kda's with the head index fastest in the precompute grid (prepare_grid).
+CONFIGS = {"kda": ("kda", {"split": "pre_seq", "score_rows": "sub_chunk", "prepare_grid": "heads_first"}),
+           "gdn": ("gdn", {"split": "pre_seq", "solve": "merged", "prepare_loads": "async"}),
+           "gla": ("gla", {"split": "pre_seq"})}
+# The precompute block's indices, in either grid order.
+BLOCK = re.compile(r"as \((?:c, bh|bh, c), bb\):")
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +24,14 @@ def prepare_timeline():
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def rendered(request):
-    return rendered_config(request.param, 128, **CONFIGS[request.param])
+    variant, config = CONFIGS[request.param]
+    return rendered_config(variant, 128, **config)
 
 
 def test_every_statement_but_the_declarations_is_stamped_in_order(prepare_timeline, rendered):
     source, labels = prepare_timeline.instrument(rendered.source)
     plain = rendered.source
-    body = plain[plain.index("as (c, bh, bb):"):plain.index("return prepare")].splitlines()[1:]
+    body = plain[BLOCK.search(plain).start():plain.index("return prepare")].splitlines()[1:]
     indent = re.match(r"\s*", body[0]).group(0)
     # The body's top-level statements, in order, less the declarations.
     expected = [line.strip() for line in body if line.startswith(indent) and line[len(indent)] not in " #)]}"
@@ -48,7 +52,7 @@ def test_every_statement_but_the_declarations_is_stamped_in_order(prepare_timeli
 
 def test_a_changed_kernel_is_refused_not_misread(prepare_timeline, rendered):
     with pytest.raises(SystemExit, match="expected one precompute block"):
-        prepare_timeline.instrument(rendered.source.replace("threads=THREADS) as (c, bh, bb)", "threads=THREADS) as (c, bb, bh)"))
+        prepare_timeline.instrument(BLOCK.sub("as (c, bb, bh):", rendered.source))
     with pytest.raises(SystemExit, match="signature or its call changed"):
         prepare_timeline.instrument(rendered.source.replace('kernels["prepare"](', 'kernels["prepare"] (', 1))
 

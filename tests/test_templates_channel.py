@@ -390,7 +390,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("kda", KDA_PRE_SEQ_ROLES), ("kda", KDA_PRE_SEQ_ASYNC), ("kda", KDA_PRE_SEQ_ELEMENTWISE),
                             ("kda", KDA_PRE_SEQ_ROLES_STORE_WARP), ("kda", KDA_PRE_SEQ_SUB_CHUNK_ROWS),
                             ("kda", PRE_SEQ_CHANNEL_SCAN), ("gla", PRE_SEQ_CHANNEL_SCAN),
-                            ("kda", KDA_PRE_SEQ_BF16_OPERANDS), ("gla", {"split": "pre_seq", "score_operands": "bfloat16"})],
+                            ("kda", KDA_PRE_SEQ_BF16_OPERANDS), ("gla", {"split": "pre_seq", "score_operands": "bfloat16"}),
+                            ("kda", {**KDA_PRE_SEQ_ROLES, "prepare_grid": "heads_first"})],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
@@ -401,7 +402,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                                                                    "kda-pre_seq-channel-scan",
                                                                    "gla-pre_seq-channel-scan",
                                                                    "kda-pre_seq-bf16-operands",
-                                                                   "gla-pre_seq-bf16-operands"])
+                                                                   "gla-pre_seq-bf16-operands",
+                                                                   "kda-pre_seq-roles-heads-first"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)

@@ -9,6 +9,7 @@ the fp64 oracle.
 """
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -61,7 +62,7 @@ def test_every_placement_changes_the_code(split, placement):
     assert_every_value_changes_source("gdn", 128, placement, split=split)
 
 
-@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads"])
+@pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads", "prepare_grid"])
 def test_every_pre_seq_parameter_changes_the_code(param):
     assert_every_value_changes_source("gdn", 128, param, split="pre_seq")
 
@@ -237,6 +238,32 @@ def test_asynchronous_precompute_loads_compile_clean_and_land_before_the_first_p
     assert max(copies) < min(gates) and max(gates) < lines.index("T.cumsum(g_s, gc_s, dim=0)") < wait < first_product
 
 
+@pytest.mark.parametrize("variant,overrides", [("gdn", PRE_SEQ_ROLES_ASYNC), ("kda", {**ROLES["kda"], "prepare_loads": "async"}),
+                                               ("gdn", {**PRE_SEQ_ROLES_ASYNC, "packed": True}),
+                                               ("kda", {**ROLES["kda"], "packed": True}), ("gdn", {"split": "pre_seq", "prepare_chunks": 2})],
+                         ids=["gdn", "kda", "gdn-packed", "kda-packed", "gdn-two-chunks"])
+def test_heads_first_precompute_grid_swaps_only_the_grids_dimensions(variant, overrides, tmp_path):
+    rendered = rendered_config(variant, 128, **overrides, prepare_grid="heads_first")
+    plain = rendered_config(variant, 128, **overrides)
+    assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path)
+    launch = re.compile(r"^\s*with T\.Kernel\((.*)\) as \((.*)\):$", re.M)
+    swapped, kept = launch.findall(rendered.source), launch.findall(plain.source)
+    # The precompute kernel's first two grid dimensions and their indices trade places; nothing else changes.
+    def arguments(text):  # the grid's extents (threads= last) or its index names
+        return [ast.unparse(a) for a in ast.parse(f"f({text})", mode="eval").body.args]
+
+    (dims, names), (plain_dims, plain_names) = swapped[0], kept[0]
+    assert arguments(dims)[:2] == arguments(plain_dims)[:2][::-1] and arguments(dims)[2:] == arguments(plain_dims)[2:]
+    assert dims.endswith("threads=THREADS") and plain_dims.endswith("threads=THREADS")
+    assert arguments(names)[:2] == arguments(plain_names)[:2][::-1]
+    assert arguments(names)[0] in ("bh", "hv") and swapped[1:] == kept[1:]
+    def body_without_launch(source):
+        body = source[source.index("def prepare"):source.index("return prepare")]
+        return [line for line in launch.sub("", body).splitlines() if "The head index runs fastest" not in line]
+
+    assert body_without_launch(rendered.source) == body_without_launch(plain.source)
+
+
 def test_pre_seq_parameters_do_not_apply_to_the_other_splits():
     gdn = space.load("gdn")
     for name in ("overlap", "prepare_chunks", "sequential_roles"):
@@ -306,11 +333,12 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", PRE_SEQ_MERGED), ("pre_seq", PRE_SEQ_MERGED_32),
                                              ("pre_seq", PRE_SEQ_ROLES), ("pre_seq", {**PRE_SEQ_MERGED, "decay_in": "shared"}),
                                              ("pre_seq", PRE_SEQ_ROLES_ASYNC), ("pre_seq", PRE_SEQ_MERGED_ASYNC),
-                                             ("pre_seq", STORE_WARP["gdn"])],
+                                             ("pre_seq", STORE_WARP["gdn"]),
+                                             ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "prepare_grid": "heads_first"})],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
-                              "pre_seq-roles-store-warp"))
+                              "pre_seq-roles-store-warp", "pre_seq-roles-heads-first"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
