@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tuner import calibration, model
-from tuner.candidate import Candidate
+from tuner import calibration, model, space
+from tuner.candidate import Candidate, violations
 from tuner.problem import Problem
 
 DATA = Path(__file__).parent / "data"
@@ -187,3 +187,15 @@ def test_fit_recovers_a_known_demand():
     assert fitted["overhead"] == pytest.approx(20.0, abs=2.0)
     result = calibration.accuracy(observations, fitted)
     assert result.false_prunes == result.missed_spills == 0
+
+
+def test_calibration_samples_distinct_valid_configs_as_one_seeded_sequence_without_listing_the_grid(monkeypatch):
+    # kda's grid holds millions of configs: listing it is what the sampler must not do.
+    monkeypatch.setattr(space.Space, "grid", lambda self: pytest.fail("the grid was listed"))
+    problem = Problem("kda", 128, 128)
+    first = calibration.sample_configs(problem, 12, seed=3)
+    assert len(first) == 12 and len({tuple(sorted(c.items())) for c in first}) == 12
+    assert not any(violations(problem, c) for c in first)
+    assert len({c["split"] for c in first}) > 1  # drawn over the whole space, not one corner of it
+    assert calibration.sample_configs(problem, 20, seed=3)[:12] == first
+    assert calibration.sample_configs(problem, 12, seed=4) != first

@@ -123,7 +123,11 @@ def test_the_gdn_role_split_kernel_reads_gate_rows_inside_the_sequence_and_copie
 def test_packed_is_set_by_the_caller_and_never_searched(variant, split):
     """A packed call's default is ``split``: pre_seq for both (kda's role-split form)."""
     variant_space, problem = space.load(variant), Problem(variant, 128, 128)
-    assert not any(c.get("packed") for c in variant_space.grid())
+    # The search draws from values alone, and a config states packed only at a caller's value (kda's grid,
+    # millions of configs, is not listed).
+    assert variant_space.params["packed"].values == (False,) and variant_space.params["packed"].caller_values == (True,)
+    assert all("packed" not in variant_space.normalise({**c, "packed": False}) for c in
+               (variant_space.default(problem), {**variant_space.default(problem), "split": "pre_seq"}))
     assert "packed" not in variant_space.default(problem)
     default = variant_space.default(problem, {"packed": True})
     assert default["split"] == split and default["packed"] is True

@@ -5,7 +5,7 @@ to four of its parameters changed) render to the bytes recorded in tests/data/re
 hashed per variant, dimension and split. A template change that alters emitted code fails here; where
 that is meant (a new parameter value, a new form), rewrite the record with ``python
 tests/test_render_digests.py`` and say in the commit which configs changed. Not the whole product:
-kda's pre_seq split alone has 746,496 configs (kda's whole grid took 10.6 minutes to render on one core
+kda's pre_seq split alone has millions of configs (kda's whole grid took 10.6 minutes to render on one core
 when it had 200,448), where a change that shows only when five parameters are off their defaults
 together is rare, and the shipped winners are checked one by one.
 """

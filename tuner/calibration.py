@@ -234,11 +234,28 @@ class CalibrationResult:
         return "\n".join(lines)
 
 
+# Draws per wanted sample before sample_configs gives up on a space whose constraints refuse nearly all.
+DRAWS_PER_SAMPLE = 1000
+
+
 def sample_configs(problem: Problem, samples: int, seed: int) -> list[dict]:
-    """``samples`` distinct configs drawn with ``seed`` from the variant's grid, constraints met."""
-    valid = [c for c in spaces.load(problem.variant).grid() if not candidates.violations(problem, c)]
-    random.Random(seed).shuffle(valid)  # a prefix of a longer draw: more samples extend a run
-    return valid[:samples]
+    """``samples`` distinct configs of the variant's space drawn with ``seed``, constraints met: each
+    parameter's value uniformly, then normalised. One seeded sequence of draws, so more samples extend
+    a run. The grid is never listed (kda's has millions of configs); fewer than ``samples`` come back
+    only where the space holds fewer valid configs than ``DRAWS_PER_SAMPLE`` draws a sample find."""
+    sp = spaces.load(problem.variant)
+    rng = random.Random(seed)
+    seen, out = set(), []
+    for _ in range(samples * DRAWS_PER_SAMPLE):
+        if len(out) == samples:
+            break
+        config = sp.normalise({name: rng.choice(p.values) for name, p in sp.params.items()})
+        key = tuple(sorted(config.items()))
+        if key not in seen:
+            seen.add(key)
+            if not candidates.violations(problem, config):
+                out.append(config)
+    return out
 
 
 def calibrate(problem: Problem, samples: int, seed: int, db: str, progress=print) -> CalibrationResult:
