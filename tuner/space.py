@@ -19,6 +19,7 @@ shared memory), which the caller supplies: this module knows the space, not the 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -201,8 +202,30 @@ class Space:
         def changed(other: dict) -> int:
             return sum(config.get(name) != other.get(name) for name in {*config, *other})
 
-        ranked = sorted(self._grid, key=lambda c: (changed(c), rng.random()))
-        return next((c for c in ranked if is_valid(c)), None)
+        # Searched outwards by the number of parameters set to another value, never listing the grid (kda's
+        # holds millions of configs): a config that differs from ``config`` in m parameters is reached by
+        # at most m such changes, so once as many changes as the best distance found have been tried, every
+        # valid config at that distance (the ties) has been seen and none nearer is left.
+        start = {**self._defaults(), **config}
+        alternatives = [[(name, v) for v in p.values if v != start.get(name)] for name, p in self.params.items()]
+        alternatives = [a for a in alternatives if a]
+        seen, best, ties = set(), None, []
+        for count in range(len(alternatives) + 1):
+            if best is not None and count > best:
+                break
+            for chosen in itertools.combinations(alternatives, count):
+                for changes in itertools.product(*chosen):
+                    candidate = self.normalise({**start, **dict(changes)})
+                    key = tuple(sorted(candidate.items()))
+                    distance = changed(candidate)
+                    if key in seen or (best is not None and distance > best):
+                        continue
+                    seen.add(key)
+                    if is_valid(candidate):
+                        if best is None or distance < best:
+                            best, ties = distance, []
+                        ties.append(candidate)
+        return rng.choice(ties) if ties else None
 
     def grid(self) -> list[dict]:
         """Every combination of values, restricted to the parameters that apply (deduplicated)."""
