@@ -48,6 +48,10 @@ PRE_SEQ_CHANNEL_SCAN = {"split": "pre_seq", "gate_scan": "per_channel"}
 KDA_PRE_SEQ_BF16_OPERANDS = {"split": "pre_seq", "score_operands": "bfloat16"}
 # kda's precompute kernel with its row factors formed once a chunk (whole rows of DK: block_dk = DK).
 KDA_PRE_SEQ_ROWS_ONCE = {"split": "pre_seq", "row_factors": "once"}
+# gla's precompute kernel with the blocks within each sub-chunk by products; with its row factors formed once
+# (whole rows of DK: block_dk = DK).
+GLA_PRE_SEQ_PRODUCTS = {"split": "pre_seq", "diagonal_blocks": "products"}
+GLA_PRE_SEQ_ROWS_ONCE = {**GLA_PRE_SEQ_PRODUCTS, "row_factors": "once"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -308,6 +312,8 @@ def test_pre_seq_compiles_clean_and_the_model_knows_its_shared_memory(variant, d
 @pytest.mark.parametrize("overrides,reason", [
     ({"num_stages": 2}, "deeper than one stage"),
     ({"chunk_size": 32, "sub_chunk": 32}, "one sub-chunk per chunk"),
+    ({"row_factors": "once", "block_dk": 32, "diagonal_blocks": "products"}, "stages whole rows of DK"),
+    ({"row_factors": "once", "block_dk": 64}, "no C x C accumulator for the elementwise diagonal"),
 ])
 def test_gla_pre_seq_constraints_refuse_before_rendering(overrides, reason):
     problem = Problem("gla", 64, 64)
@@ -336,10 +342,21 @@ def test_every_kda_pre_seq_parameter_changes_the_code(param):
     assert_every_value_changes_source("kda", 128, param, split="pre_seq", **({"block_dk": 128} if param == "row_factors" else {}))
 
 
-@pytest.mark.parametrize("param", ["gate_scan", "score_operands"])
+@pytest.mark.parametrize("param", ["gate_scan", "score_operands", "diagonal_blocks", "row_factors"])
 @pytest.mark.parametrize("split", ["pre_seq", "segmented"])
 def test_gla_precompute_parameters_change_the_code_of_both_precompute_splits(split, param):
-    assert_every_value_changes_source("gla", 128, param, split=split)
+    # row_factors once takes whole rows of DK and forms the diagonal blocks by products.
+    others = {"block_dk": 128, "diagonal_blocks": "products"} if param == "row_factors" else {}
+    assert_every_value_changes_source("gla", 128, param, split=split, **others)
+
+
+@pytest.mark.parametrize("overrides", [GLA_PRE_SEQ_PRODUCTS, {**GLA_PRE_SEQ_ROWS_ONCE, "block_dk": 128},
+                                       {**GLA_PRE_SEQ_ROWS_ONCE, "block_dk": 128, "score_operands": "bfloat16"}],
+                         ids=["products", "rows-once", "rows-once-bf16"])
+def test_gla_product_diagonal_forms_compile_as_modelled_with_no_elementwise_sum(overrides, tmp_path):
+    rendered = rendered_config("gla", 128, **overrides)
+    assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
+    assert "Diag_s" not in rendered.source and "for d in T.serial(DK)" not in rendered.source
 
 
 def test_gla_bf16_score_operands_compile_as_modelled(tmp_path):
@@ -391,7 +408,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("kda", KDA_PRE_SEQ_ROLES_STORE_WARP), ("kda", KDA_PRE_SEQ_SUB_CHUNK_ROWS),
                             ("kda", PRE_SEQ_CHANNEL_SCAN), ("gla", PRE_SEQ_CHANNEL_SCAN),
                             ("kda", KDA_PRE_SEQ_BF16_OPERANDS), ("gla", {"split": "pre_seq", "score_operands": "bfloat16"}),
-                            ("kda", {**KDA_PRE_SEQ_ROLES, "prepare_grid": "heads_first"})],
+                            ("kda", {**KDA_PRE_SEQ_ROLES, "prepare_grid": "heads_first"}),
+                            ("gla", GLA_PRE_SEQ_PRODUCTS)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
@@ -403,7 +421,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                                                                    "gla-pre_seq-channel-scan",
                                                                    "kda-pre_seq-bf16-operands",
                                                                    "gla-pre_seq-bf16-operands",
-                                                                   "kda-pre_seq-roles-heads-first"])
+                                                                   "kda-pre_seq-roles-heads-first",
+                                                                   "gla-pre_seq-products"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
@@ -419,11 +438,12 @@ def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("variant,overrides", [("kda", {**KDA_PRE_SEQ_ROWS_ONCE, "solve": "blocked"}),
+                                               ("gla", GLA_PRE_SEQ_ROWS_ONCE)], ids=["kda", "gla"])
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
-def test_kda_rows_once_matches_fp64_oracle(operands, dk, dtype):
-    rendered = rendered_config("kda", dk, dtype, **KDA_PRE_SEQ_ROWS_ONCE, block_dk=dk, score_operands=operands,
-                               solve="blocked")
+def test_rows_once_matches_fp64_oracle(variant, overrides, operands, dk, dtype):
+    rendered = rendered_config(variant, dk, dtype, **overrides, block_dk=dk, score_operands=operands)
     module, compiled = load_kernels(rendered)
     C = rendered.config["chunk_size"]
     for regime, seqlen in (("channel_lb0.9", 4 * C), ("channel_free", 3 * C + 17), ("initial_state", 2 * C + 1)):
