@@ -30,6 +30,9 @@ CONFIGS = {
                   "gc_loads": "once", "fast_math": True, "prepare_loads": "async"},
         "roles-store-warp": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                              "gc_loads": "once", "fast_math": True, "o_store": "store_warp"},
+        # g and beta copied asynchronously as well: a sequence's partial chunk loads them element by element.
+        "roles-async-gates": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                              "gc_loads": "once", "fast_math": True, "prepare_loads": "async_gates"},
     },
     "kda": {
         "default": PACKED,

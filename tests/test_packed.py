@@ -241,7 +241,7 @@ def compiled():
 
 @cuda
 @pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all", "roles",
-                                                   "roles-store-warp", "roles-rows-once"))
+                                                   "roles-store-warp", "roles-rows-once", "roles-async-gates"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,

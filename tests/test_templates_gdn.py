@@ -43,6 +43,8 @@ ROLES = {"gdn": PRE_SEQ_ROLES, "kda": {"split": "pre_seq", "block_dv": 64, "sequ
 # Both precompute kernels with their Q and K tiles copied asynchronously (the role split's reads no Q).
 PRE_SEQ_ROLES_ASYNC = {**PRE_SEQ_ROLES, "gc_loads": "once", "fast_math": True, "prepare_loads": "async"}
 PRE_SEQ_MERGED_ASYNC = {**PRE_SEQ_MERGED, "prepare_loads": "async"}
+# The role split's precompute kernel with its g and beta columns copied asynchronously too.
+PRE_SEQ_ROLES_ASYNC_GATES = {**PRE_SEQ_ROLES_ASYNC, "prepare_loads": "async_gates"}
 # The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
 CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
@@ -238,6 +240,20 @@ def test_asynchronous_precompute_loads_compile_clean_and_land_before_the_first_p
     assert max(copies) < min(gates) and max(gates) < lines.index("T.cumsum(g_s, gc_s, dim=0)") < wait < first_product
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_asynchronous_gate_loads_issue_g_and_beta_behind_the_tile_and_wait_once_before_the_sum(packed, tmp_path):
+    rendered = rendered_config("gdn", 128, **PRE_SEQ_ROLES_ASYNC_GATES, packed=packed)
+    assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path)
+    body = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    lines = [line.strip() for line in body.splitlines()]
+    copies = [n for n, line in enumerate(lines) if line.startswith("T.async_copy(")]
+    assert [lines[n][len("T.async_copy("):].split("[")[0] for n in copies] == ["K", "G", "Beta"]
+    # No synchronous copy of the gate columns is left (packed: only a sequence's partial chunk loads by element).
+    assert not [line for line in lines if line.startswith(("T.copy(G[", "T.copy(Beta["))]
+    assert max(copies) < lines.index("T.ptx_wait_group(0)") < lines.index("T.cumsum(g_s, gc_s, dim=0)")
+    assert lines.count("T.ptx_wait_group(0)") == 1
+
+
 @pytest.mark.parametrize("variant,overrides", [("gdn", PRE_SEQ_ROLES_ASYNC), ("kda", {**ROLES["kda"], "prepare_loads": "async"}),
                                                ("gdn", {**PRE_SEQ_ROLES_ASYNC, "packed": True}),
                                                ("kda", {**ROLES["kda"], "packed": True}), ("gdn", {"split": "pre_seq", "prepare_chunks": 2})],
@@ -334,11 +350,12 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", PRE_SEQ_ROLES), ("pre_seq", {**PRE_SEQ_MERGED, "decay_in": "shared"}),
                                              ("pre_seq", PRE_SEQ_ROLES_ASYNC), ("pre_seq", PRE_SEQ_MERGED_ASYNC),
                                              ("pre_seq", STORE_WARP["gdn"]),
-                                             ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "prepare_grid": "heads_first"})],
+                                             ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "prepare_grid": "heads_first"}),
+                                             ("pre_seq", PRE_SEQ_ROLES_ASYNC_GATES)],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
-                              "pre_seq-roles-store-warp", "pre_seq-roles-heads-first"))
+                              "pre_seq-roles-store-warp", "pre_seq-roles-heads-first", "pre_seq-roles-async-gates"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
