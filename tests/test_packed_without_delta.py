@@ -30,15 +30,20 @@ COPIED = {"chunked": {"H0", "HT", "Hs"}, "pre_seq": {"H0", "HT", "GL"}}
 READ = {"linear": {"Q", "K", "V"}, "decay": {"Q", "K", "V"}, "simple_gla": {"Q", "K", "V", "G"},
         "gla": {"Q", "K", "G", "QG", "KG", "V", "AQK"}}
 WRITTEN = {"chunked": {"O"}, "pre_seq": {"QG", "KG", "AQK", "O"}}
+# gla's fastest precompute form on the H100 (dense): products on the diagonal, row factors once (block_dk =
+# DK = 64 here), bf16 factors, a thread per channel's scan; with its tiles copied asynchronously.
+GLA_FAST = {"diagonal_blocks": "products", "row_factors": "once", "block_dk": 64, "score_operands": "bfloat16",
+            "gate_scan": "per_channel", "num_stages": 1, "prepare_loads": "async"}
 
 
 def packed(variant):
     return {"split": SPLIT[variant], "packed": True}
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_packed_kernels_compile_without_spills_and_the_model_knows_their_shared_memory(variant, tmp_path):
-    rendered = rendered_config(variant, 64, **packed(variant))
+@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST)],
+                         ids=[*VARIANTS, "gla-fast"])
+def test_packed_kernels_compile_without_spills_and_the_model_knows_their_shared_memory(variant, overrides, tmp_path):
+    rendered = rendered_config(variant, 64, **packed(variant), **overrides)
     assert_compiles_as_modelled(rendered, KERNELS[SPLIT[variant]], tmp_path)
 
 
@@ -96,11 +101,12 @@ def test_the_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_states_
 
 
 @cuda
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(variant):
+@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST)],
+                         ids=[*VARIANTS, "gla-fast"])
+def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(variant, overrides):
     from tuner.compile import load_kernels
 
-    packed_module, packed_kernels = load_kernels(rendered_config(variant, 64, **packed(variant)))
+    packed_module, packed_kernels = load_kernels(rendered_config(variant, 64, **packed(variant), **overrides))
     dense_module, dense = load_kernels(rendered_config(variant, 64, split=SPLIT[variant]))
     x = packed_inputs(variant, seed=1, device="cuda")
     o, ht = packed_module.forward(packed_kernels, x["q"], x["k"], x["v"], g=x["g"], scale=x["scale"],

@@ -52,6 +52,8 @@ KDA_PRE_SEQ_ROWS_ONCE = {"split": "pre_seq", "row_factors": "once"}
 # (whole rows of DK: block_dk = DK).
 GLA_PRE_SEQ_PRODUCTS = {"split": "pre_seq", "diagonal_blocks": "products"}
 GLA_PRE_SEQ_ROWS_ONCE = {**GLA_PRE_SEQ_PRODUCTS, "row_factors": "once"}
+# gla's precompute kernel with its Q, K and g tiles copied asynchronously.
+GLA_PRE_SEQ_ASYNC = {**GLA_PRE_SEQ_PRODUCTS, "prepare_loads": "async"}
 
 
 @pytest.mark.parametrize("variant,split,kernels", SPLITS)
@@ -342,7 +344,7 @@ def test_every_kda_pre_seq_parameter_changes_the_code(param):
     assert_every_value_changes_source("kda", 128, param, split="pre_seq", **({"block_dk": 128} if param == "row_factors" else {}))
 
 
-@pytest.mark.parametrize("param", ["gate_scan", "score_operands", "diagonal_blocks", "row_factors"])
+@pytest.mark.parametrize("param", ["gate_scan", "score_operands", "diagonal_blocks", "row_factors", "prepare_loads"])
 @pytest.mark.parametrize("split", ["pre_seq", "segmented"])
 def test_gla_precompute_parameters_change_the_code_of_both_precompute_splits(split, param):
     # row_factors once takes whole rows of DK and forms the diagonal blocks by products.
@@ -357,6 +359,19 @@ def test_gla_product_diagonal_forms_compile_as_modelled_with_no_elementwise_sum(
     rendered = rendered_config("gla", 128, **overrides)
     assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
     assert "Diag_s" not in rendered.source and "for d in T.serial(DK)" not in rendered.source
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_gla_asynchronous_loads_issue_the_three_tiles_together_and_wait_once_before_the_scan(packed, tmp_path):
+    rendered = rendered_config("gla", 128, **GLA_PRE_SEQ_ASYNC, packed=packed)
+    assert_compiles_as_modelled(rendered, ["prepare", "sequential"], tmp_path)
+    body = rendered.source[rendered.source.index("def prepare"):rendered.source.index("return prepare")]
+    lines = [line.strip() for line in body.splitlines()]
+    copies = [n for n, line in enumerate(lines) if line.startswith("T.async_copy(")]
+    assert [lines[n][len("T.async_copy("):].split("[")[0] for n in copies] == ["Q", "K", "G"]
+    assert not [line for line in lines if line.startswith(("T.copy(Q[", "T.copy(K[", "T.copy(G["))]
+    scan = next(n for n, line in enumerate(lines) if line.startswith("gate_sum = 0.0") or line.startswith("T.cumsum("))
+    assert max(copies) < lines.index("T.ptx_wait_group(0)") < scan and lines.count("T.ptx_wait_group(0)") == 1
 
 
 def test_gla_bf16_score_operands_compile_as_modelled(tmp_path):
@@ -409,7 +424,7 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("kda", PRE_SEQ_CHANNEL_SCAN), ("gla", PRE_SEQ_CHANNEL_SCAN),
                             ("kda", KDA_PRE_SEQ_BF16_OPERANDS), ("gla", {"split": "pre_seq", "score_operands": "bfloat16"}),
                             ("kda", {**KDA_PRE_SEQ_ROLES, "prepare_grid": "heads_first"}),
-                            ("gla", GLA_PRE_SEQ_PRODUCTS)],
+                            ("gla", GLA_PRE_SEQ_PRODUCTS), ("gla", GLA_PRE_SEQ_ASYNC)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
@@ -422,7 +437,7 @@ def test_sub_chunks_split_the_exponent(variant, split):
                                                                    "kda-pre_seq-bf16-operands",
                                                                    "gla-pre_seq-bf16-operands",
                                                                    "kda-pre_seq-roles-heads-first",
-                                                                   "gla-pre_seq-products"])
+                                                                   "gla-pre_seq-products", "gla-pre_seq-async"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
