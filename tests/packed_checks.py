@@ -12,8 +12,10 @@ import re
 import torch
 from template_checks import rendered_config
 
+from tuner import space
 from tuner.candidate import Candidate
 from tuner.inputs import packed_lengths
+from tuner.problem import Problem
 
 # Each variant's packed configs by name: the default packed one of each split ("default": pre_seq;
 # "chunked"), and one with every parameter of the split off its default ("all"; kda's "chunked-all"; gdn's
@@ -30,6 +32,8 @@ CONFIGS = {
                   "gc_loads": "once", "fast_math": True, "prepare_loads": "async"},
         "roles-store-warp": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                              "gc_loads": "once", "fast_math": True, "o_store": "store_warp"},
+        # What a packed call runs without a stored packed winner (its parameter's caller_default).
+        "caller-default": space.load("gdn").default(Problem("gdn", 64, 64), {"packed": True}),
         # g and beta copied asynchronously as well: a sequence's partial chunk loads them element by element.
         "roles-async-gates": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                               "gc_loads": "once", "fast_math": True, "prepare_loads": "async_gates"},
@@ -47,6 +51,7 @@ CONFIGS = {
                              "o_store": "store_warp"},
         # The precompute kernel's fastest forms on the H100: row factors once (whole rows: block_dk = DK
         # of the GPU tests, 64), bf16 operands, a thread per channel's gate scan.
+        "caller-default": space.load("kda").default(Problem("kda", 64, 64), {"packed": True}),
         "roles-rows-once": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                             "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
                             "block_dk": 64, "gate_scan": "per_channel", "solve": "column"},

@@ -34,16 +34,18 @@ WRITTEN = {"chunked": {"O"}, "pre_seq": {"QG", "KG", "AQK", "O"}}
 # DK = 64 here), bf16 factors, a thread per channel's scan; with its tiles copied asynchronously.
 GLA_FAST = {"diagonal_blocks": "products", "row_factors": "once", "block_dk": 64, "score_operands": "bfloat16",
             "gate_scan": "per_channel", "num_stages": 1, "prepare_loads": "async"}
+# What a packed gla call runs without a stored packed winner (its parameter's caller_default).
+GLA_CALLER_DEFAULT = space.load("gla").default(Problem("gla", 64, 64), {"packed": True})
 
 
 def packed(variant):
     return {"split": SPLIT[variant], "packed": True}
 
 
-@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST)],
-                         ids=[*VARIANTS, "gla-fast"])
+@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST), ("gla", GLA_CALLER_DEFAULT)],
+                         ids=[*VARIANTS, "gla-fast", "gla-caller-default"])
 def test_packed_kernels_compile_without_spills_and_the_model_knows_their_shared_memory(variant, overrides, tmp_path):
-    rendered = rendered_config(variant, 64, **packed(variant), **overrides)
+    rendered = rendered_config(variant, 64, **{**packed(variant), **overrides})
     assert_compiles_as_modelled(rendered, KERNELS[SPLIT[variant]], tmp_path)
 
 
@@ -101,12 +103,12 @@ def test_the_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_states_
 
 
 @cuda
-@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST)],
-                         ids=[*VARIANTS, "gla-fast"])
+@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST), ("gla", GLA_CALLER_DEFAULT)],
+                         ids=[*VARIANTS, "gla-fast", "gla-caller-default"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(variant, overrides):
     from tuner.compile import load_kernels
 
-    packed_module, packed_kernels = load_kernels(rendered_config(variant, 64, **packed(variant), **overrides))
+    packed_module, packed_kernels = load_kernels(rendered_config(variant, 64, **{**packed(variant), **overrides}))
     dense_module, dense = load_kernels(rendered_config(variant, 64, split=SPLIT[variant]))
     x = packed_inputs(variant, seed=1, device="cuda")
     o, ht = packed_module.forward(packed_kernels, x["q"], x["k"], x["v"], g=x["g"], scale=x["scale"],
