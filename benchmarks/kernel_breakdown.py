@@ -1,6 +1,6 @@
 """Where a config's forward spends its time: CUDA events around each kernel of the module.
 
-    python benchmarks/kernel_breakdown.py --variant gdn --dk 128 --shape 4x8192x16 [--set block_dv=64 ...]
+    python benchmarks/kernel_breakdown.py --variant gdn --dk 128 --shape 4x8192x16 [--stored] [--set block_dv=64 ...]
 
 The chunked splits launch several kernels (W/U, state pass, output); their sum next to the whole
 forward's time (``tuner.bench.time_forward``) shows which one the templates should work on.
@@ -18,6 +18,8 @@ import torch
 
 from tuner import space
 from tuner.cli import parse_overrides
+from tuner.errors import UserError
+from tuner.lookup import best_config
 from tuner.candidate import Candidate
 from tuner.compile import load_kernels
 from tuner.inputs import make_inputs
@@ -39,6 +41,21 @@ class _Timed:
         end.record()
         self.log.append((self.name, start, end))
         return out
+
+
+def starting_config(problem: Problem, overrides: dict, stored: bool, device=None, start: dict | None = None) -> dict:
+    """The config to time: the template's default with ``start`` (a script's own starting point), or
+    with ``stored`` the winner stored for ``problem`` on ``device`` (:func:`tuner.best_config`'s, the
+    tuner's own even where FLA would run), with ``overrides`` (``--set``) on top."""
+    base = start or {}
+    if stored:
+        found = best_config(problem.variant, problem.dk, problem.dv, problem.dtype, problem.batch, problem.seqlen,
+                            problem.heads, device=device, backend="tuner")
+        if found.row is None:
+            raise UserError(f"no winner of {problem.variant} k{problem.dk} at {problem.shape} is stored for this GPU "
+                            f"(tune it, or leave out --stored)")
+        base = found.config
+    return space.load(problem.variant).complete(problem, {**base, **overrides})
 
 
 def breakdown(problem: Problem, config: dict, inputs: dict) -> dict[str, float]:
@@ -90,7 +107,10 @@ def main(argv=None) -> int:
     p.add_argument("--variant", required=True)
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--shape", default="4x8192x16", help="BxTxH (default 4x8192x16)")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change the default config")
+    p.add_argument("--stored", action="store_true",
+                   help="start from the winner stored for this GPU at the shape instead of the template's default")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="change the config (the default, or with --stored the winner)")
     p.add_argument("--flashqla", action="store_true",
                    help="gdn at DK 128: also time FlashQLA's cumulative sum and K K^T solve on the same inputs")
     args = p.parse_args(argv)
@@ -101,7 +121,11 @@ def main(argv=None) -> int:
         return 2
     batch, seqlen, heads = parse_shape(args.shape)
     problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
-    config = space.load(args.variant).complete(problem, parse_overrides(args.set))
+    try:
+        config = starting_config(problem, parse_overrides(args.set), args.stored)
+    except UserError as e:
+        print(f"kernel_breakdown: {e}", file=sys.stderr)
+        return 2
     inputs = make_inputs(problem, "default", 0, torch.device("cuda"))
     per_kernel = breakdown(problem, config, inputs)
     for name, ms in per_kernel.items():

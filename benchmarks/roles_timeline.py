@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from kernel_breakdown import per_kernel_ms
-from tuner import space
+from kernel_breakdown import per_kernel_ms, starting_config
 from tuner.candidate import Candidate
 from tuner.cli import parse_overrides
 from tuner.compile import load_kernels
+from tuner.errors import UserError
 from tuner.inputs import make_inputs
 from tuner.problem import Problem, parse_shape
 
@@ -139,11 +139,16 @@ def rendered_from_arguments(argv, description: str, configs: dict, default: str,
     p.add_argument("--variant", choices=sorted(configs), default=default)
     p.add_argument("--dk", type=int, default=128)
     p.add_argument("--shape", default="4x8192x16", help="BxTxH (default 4x8192x16)")
+    p.add_argument("--stored", action="store_true",
+                   help="start from the winner stored for this GPU at the shape instead of this script's config")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help=set_help)
     args = p.parse_args(argv)
     batch, seqlen, heads = parse_shape(args.shape)
     problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
-    config = space.load(args.variant).complete(problem, {**configs[args.variant], **parse_overrides(args.set)})
+    try:
+        config = starting_config(problem, parse_overrides(args.set), args.stored, start=configs[args.variant])
+    except UserError as e:
+        raise SystemExit(f"{p.prog}: {e}") from None
     return Candidate.from_config(problem, config), -(-seqlen // config["chunk_size"])
 
 
