@@ -73,6 +73,8 @@ class Kernel:
         live (dict[str, tuple[int, int]]): per buffer, its first and last leaf statement
             (see :func:`_steps`), kept alive to the end of a loop it was alive before.
         pipeline_steps (tuple[int, int] | None): the first and last step of the pipelined loop.
+        pipeline_extent (int | None): that loop's number of iterations where it is a constant (a
+            precompute block's several chunks); None where it is symbolic or there is no such loop.
         warp_specialized (bool): warp specialisation is not disabled by its pass configs.
         aggressive_merge (bool): ``tl.enable_aggressive_shared_memory_merge``: shared buffers are
             live per leaf statement, not per top-level statement, and share memory inside loops.
@@ -96,6 +98,7 @@ class Kernel:
     warp_specialized: bool
     aggressive_merge: bool
     roles: tuple[Role, ...] = ()
+    pipeline_extent: int | None = None
 
     @functools.cached_property
     def live_registers(self) -> float:
@@ -330,7 +333,7 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
     # least 16 bytes. TileLang lowers stores that way wherever they are, but loads only in a
     # warp-specialised producer (cuda/op/copy_analysis.cc); other loads are cp.async / SIMT copies.
     store_tma, load_tma, loads, thread_loads = set(), set(), set(), set()
-    num_stages = None
+    num_stages = pipeline_extent = None
     for node in nodes:
         if isinstance(node, ast.Call) and call_name(node.func) == "copy" and len(node.args) >= 2:
             src, dst = (_subscripted(a) for a in node.args[:2])
@@ -339,6 +342,8 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
         if isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and call_name(node.iter.func) == "Pipelined":
             stages = next((k.value for k in node.iter.keywords if k.arg == "num_stages"), None)
             num_stages = evaluate(stages, env) if stages is not None else 0
+            extent = _iterations(node.iter, env) if len(node.iter.args) == 1 else math.inf
+            pipeline_extent = int(extent) if math.isfinite(extent) else None
             for inner in ast.walk(node):
                 if isinstance(inner, ast.Call) and call_name(inner.func) == "copy" and len(inner.args) >= 2:
                     src, dst = (_subscripted(a) for a in inner.args[:2])
@@ -417,7 +422,7 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
         pipeline_loads=frozenset(loads), thread_loads=frozenset(thread_loads),
         tma_loads=frozenset(load_tma if producer_consumer else ()), tma_stores=frozenset(store_tma),
         wgmma_shared=frozenset(wgmma_shared), wgmma_accumulators=frozenset(accumulators), uses=uses,
-        live=live, pipeline_steps=pipeline_steps, warp_specialized=warp_specialized,
+        live=live, pipeline_steps=pipeline_steps, pipeline_extent=pipeline_extent, warp_specialized=warp_specialized,
         aggressive_merge=bool(configs.get("tl.enable_aggressive_shared_memory_merge", False)),
     )
 
