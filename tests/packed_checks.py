@@ -37,6 +37,11 @@ CONFIGS = {
         # g and beta copied asynchronously as well: a sequence's partial chunk loads them element by element.
         "roles-async-gates": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                               "gc_loads": "once", "fast_math": True, "prepare_loads": "async_gates"},
+        # Every sequence walked as segments in parallel (role-split and one-warpgroup sequential kernels).
+        "roles-segments": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                           "gc_loads": "once", "fast_math": True, "prepare_loads": "async", "o_store": "store_warp",
+                           "segments": 4},
+        "segments": {**PACKED, "solve": "merged", "block_dv": 32, "segments": 2},
     },
     "kda": {
         "default": PACKED,
@@ -55,6 +60,11 @@ CONFIGS = {
         "roles-rows-once": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                             "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
                             "block_dk": 64, "gate_scan": "per_channel", "solve": "column"},
+        "roles-segments": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                           "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
+                           "block_dk": 64, "gate_scan": "per_channel", "solve": "column", "o_store": "store_warp",
+                           "segments": 4},
+        "segments": {**PACKED, "segments": 2},
     },
 }
 VARIANTS = list(CONFIGS)

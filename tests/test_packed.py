@@ -67,12 +67,17 @@ def tolerance(variant):
                                ("kda", 64, "default"), ("kda", 128, "default"),
                                ("kda", 128, "all"), ("kda", 64, "chunked"), ("kda", 128, "chunked"),
                                ("kda", 128, "chunked-all"), ("kda", 64, "roles"), ("kda", 128, "roles"),
-                               ("kda", 64, "roles-rows-once"), ("kda", 128, "caller-default")]])
+                               ("kda", 64, "roles-rows-once"), ("kda", 128, "caller-default"),
+                               ("gdn", 64, "roles-segments"), ("gdn", 128, "segments"),
+                               ("kda", 64, "roles-segments"), ("kda", 128, "segments")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
+    kernels = KERNELS[variant][overrides["split"]]
+    if overrides.get("segments", 1) > 1:  # the state pass of the segments runs between the two
+        kernels = [kernels[0], "segment_state", kernels[1]]
     # The shared-memory constraint is judged on the model's figures: they must be ptxas'.
-    assert_compiles_as_modelled(rendered, KERNELS[variant][overrides["split"]], tmp_path)
+    assert_compiles_as_modelled(rendered, kernels, tmp_path)
 
 
 @pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all"))
@@ -242,7 +247,7 @@ def compiled():
 @cuda
 @pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all", "roles",
                                                    "roles-store-warp", "roles-rows-once", "roles-async-gates",
-                                                   "caller-default"))
+                                                   "caller-default", "roles-segments", "segments"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,

@@ -37,6 +37,9 @@ GLA_SEGMENTED_ALL = {**GLA_PRE_SEQ_ALL, "split": "segmented", "segments": 8}
 # and g tiles copied asynchronously.
 KDA_PRE_SEQ_ROLES = {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}
 KDA_PRE_SEQ_ROLES_STORE_WARP = {**KDA_PRE_SEQ_ROLES, "o_store": "store_warp"}
+# kda's sequences walked as segments in parallel: the role-split kernel and the one-warpgroup one.
+KDA_PRE_SEQ_ROLES_SEGMENTS = {**KDA_PRE_SEQ_ROLES_STORE_WARP, "prepare_loads": "async", "segments": 4}
+KDA_PRE_SEQ_SEGMENTS = {"split": "pre_seq", "segments": 2}
 KDA_PRE_SEQ_ASYNC = {"split": "pre_seq", "prepare_loads": "async"}
 # kda's precompute kernel with the blocks within each sub-chunk summed term by term.
 KDA_PRE_SEQ_ELEMENTWISE = {"split": "pre_seq", "diagonal_blocks": "elementwise"}
@@ -424,7 +427,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("kda", PRE_SEQ_CHANNEL_SCAN), ("gla", PRE_SEQ_CHANNEL_SCAN),
                             ("kda", KDA_PRE_SEQ_BF16_OPERANDS), ("gla", {"split": "pre_seq", "score_operands": "bfloat16"}),
                             ("kda", {**KDA_PRE_SEQ_ROLES, "prepare_grid": "heads_first"}),
-                            ("gla", GLA_PRE_SEQ_PRODUCTS), ("gla", GLA_PRE_SEQ_ASYNC)],
+                            ("gla", GLA_PRE_SEQ_PRODUCTS), ("gla", GLA_PRE_SEQ_ASYNC),
+                            ("kda", KDA_PRE_SEQ_ROLES_SEGMENTS), ("kda", KDA_PRE_SEQ_SEGMENTS)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
@@ -437,7 +441,9 @@ def test_sub_chunks_split_the_exponent(variant, split):
                                                                    "kda-pre_seq-bf16-operands",
                                                                    "gla-pre_seq-bf16-operands",
                                                                    "kda-pre_seq-roles-heads-first",
-                                                                   "gla-pre_seq-products", "gla-pre_seq-async"])
+                                                                   "gla-pre_seq-products", "gla-pre_seq-async",
+                                                                   "kda-pre_seq-roles-segments",
+                                                                   "kda-pre_seq-segments"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)
@@ -446,7 +452,7 @@ def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     # Both gate regimes; a multiple of C and ragged tails; an initial state; where the sequence is split,
     # segments of several chunks (and, with 8 segments at 4 chunks, empty ones).
     cases = (("channel_lb0.9", 4 * C), ("channel_free", 3 * C + 17), ("initial_state", 2 * C + 1))
-    if overrides["split"] == "segmented":
+    if overrides["split"] == "segmented" or overrides.get("segments", 1) > 1:
         cases += (("initial_state", 9 * C + 5),)
     for regime, seqlen in cases:
         oracle_errors(module, compiled, rendered, regime, seqlen)

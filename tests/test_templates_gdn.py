@@ -45,6 +45,9 @@ PRE_SEQ_ROLES_ASYNC = {**PRE_SEQ_ROLES, "gc_loads": "once", "fast_math": True, "
 PRE_SEQ_MERGED_ASYNC = {**PRE_SEQ_MERGED, "prepare_loads": "async"}
 # The role split's precompute kernel with its g and beta columns copied asynchronously too.
 PRE_SEQ_ROLES_ASYNC_GATES = {**PRE_SEQ_ROLES_ASYNC, "prepare_loads": "async_gates"}
+# Each sequence walked as segments in parallel: the role-split kernel (with the o store warp) and the one-warpgroup one.
+PRE_SEQ_SEGMENTS = {"roles": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp", "segments": 4},
+                    "one-warpgroup": {**PRE_SEQ_MERGED, "segments": 2}}
 # The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
 CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
@@ -351,14 +354,21 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", PRE_SEQ_ROLES_ASYNC), ("pre_seq", PRE_SEQ_MERGED_ASYNC),
                                              ("pre_seq", STORE_WARP["gdn"]),
                                              ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "prepare_grid": "heads_first"}),
-                                             ("pre_seq", PRE_SEQ_ROLES_ASYNC_GATES)],
+                                             ("pre_seq", PRE_SEQ_ROLES_ASYNC_GATES),
+                                             ("pre_seq", PRE_SEQ_SEGMENTS["roles"]),
+                                             ("pre_seq", PRE_SEQ_SEGMENTS["one-warpgroup"])],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
-                              "pre_seq-roles-store-warp", "pre_seq-roles-heads-first", "pre_seq-roles-async-gates"))
+                              "pre_seq-roles-store-warp", "pre_seq-roles-heads-first", "pre_seq-roles-async-gates",
+                              "pre_seq-roles-segments", "pre_seq-segments"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
-    # T a multiple of C, a tail, a tail with an initial state, and strong decay.
-    for seqlen, regime in ((128, "default"), (200, "default"), (77, "initial_state"), (150, "alpha0.5")):
+    # T a multiple of C, a tail, a tail with an initial state, and strong decay (with 4 segments: empty
+    # ones after a short sequence's first, and segments of several chunks at T 1000).
+    cases = ((128, "default"), (200, "default"), (77, "initial_state"), (150, "alpha0.5"))
+    if overrides.get("segments", 1) > 1:
+        cases += ((1000, "initial_state"), (700, "alpha0.5"))
+    for seqlen, regime in cases:
         oracle_errors(module, compiled, rendered, regime, seqlen)
