@@ -3,9 +3,10 @@ the packed kernels over each sequence's segments, a state pass giving every segm
 its map of the state entering it, S_end = M S_start + SL, and the maps chained on the host.
 
 CPU: the maps, as the state pass forms them (SL from a zero state, M from the identity with no values), and
-the module's chain of them give the fp64 recurrence's state at every segment start; the segments are whole
-chunks of each sequence, counted out; the glue launches the state pass and the sequential kernel over the
-segments and reads no tensor's values on the host, dense or packed; block_dv must divide DK. The kernels
+the module's chain of them give the fp64 recurrence's state at every segment start; the segments are each
+sequence's, counted out, every one with a successor whole chunks; the glue launches the state pass and the
+sequential kernel over the segments and reads no tensor's values on the host, dense or packed; block_dv
+must divide DK. The kernels
 compile as modelled in test_packed.py; the GPU tests against the fp64 oracle are test_templates_gdn.py's
 and test_templates_channel.py's ``-k segments`` (dense) and test_packed.py's (packed, grouped heads).
 """
@@ -28,12 +29,13 @@ def module(variant, tmp_path, config="roles-segments", dim=64):
 
 
 def expected_lengths(lengths, C, segments):
-    """Each sequence's segments counted out: every one but the last ceil(chunks / segments) chunks long,
-    the rest of the sequence after them (none where it has run out)."""
+    """Each sequence's segments counted out: every one but the last ceil(chunks / segments) whole chunks
+    long or what whole chunks remain (none where they have run out), the last one the rest."""
     out = []
     for length in lengths:
-        full = -(-length // (C * segments)) * C
-        out += [min(full, max(length - s * full, 0)) for s in range(segments)]
+        per_segment, whole = -(-length // (C * segments)) * C, length // C * C
+        inner = [min(per_segment, max(whole - s * per_segment, 0)) for s in range(segments - 1)]
+        out += inner + [length - sum(inner)]
     return out
 
 
@@ -44,6 +46,9 @@ def test_segments_are_whole_chunks_of_each_sequence(variant, tmp_path):
     bounds = m.segment_bounds(bounds_of(lengths))
     assert bounds.dtype == torch.int64 and bounds.shape == (len(lengths) * m.SEGMENTS + 1,)
     assert bounds.diff().tolist() == expected_lengths(lengths, m.C, m.SEGMENTS)
+    # Every segment with a successor is whole chunks: the state pass loads no partial one.
+    inner = bounds.diff().view(len(lengths), m.SEGMENTS)[:, :-1]
+    assert (inner % m.C == 0).all()
     # Each sequence starts a segment: its first is the sequence's first token.
     assert bounds[::m.SEGMENTS].tolist() == bounds_of(lengths).tolist()
 
