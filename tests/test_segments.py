@@ -4,11 +4,11 @@ its map of the state entering it, S_end = M S_start + SL, and the maps chained o
 
 CPU: the maps, as the state pass forms them (SL from a zero state, M from the identity with no values), and
 the module's chain of them give the fp64 recurrence's state at every segment start; the segments are each
-sequence's, counted out, every one with a successor whole chunks; the glue launches the state pass and the
-sequential kernel over the segments and reads no tensor's values on the host, dense or packed; block_dv
-must divide DK. The kernels
-compile as modelled in test_packed.py; the GPU tests against the fp64 oracle are test_templates_gdn.py's
-and test_templates_channel.py's ``-k segments`` (dense) and test_packed.py's (packed, grouped heads).
+sequence's, counted out, every one with a successor whole chunks, which the state pass copies by cp.async
+with no mask; the glue launches the state pass and the sequential kernel over the segments and reads no
+tensor's values on the host, dense or packed; block_dv must divide DK. The kernels compile as modelled in
+test_packed.py; the GPU tests against the fp64 oracle are test_templates_gdn.py's and
+test_templates_channel.py's ``-k segments`` (dense) and test_packed.py's (packed, grouped heads).
 """
 from __future__ import annotations
 
@@ -112,6 +112,27 @@ def test_the_glue_walks_the_segments_and_reads_nothing_on_the_host(variant, pack
     entering, leaving = (a for a in sequential if isinstance(a, torch.Tensor) and a.shape == (N * S, HV, m.DK, m.DV))
     assert entering.dtype == leaving.dtype == torch.float32
     assert ht.shape == (N, HV, m.DK, m.DV) and o.shape[:2] == ((1, sum(lengths)) if packed else (2, 600))
+
+
+# The tensors the state pass reads per chunk, per variant and sequential form (gdn's role-split form weights
+# rows from the cumulative gate, its one-warpgroup form reads the weights).
+STATE_PASS_READS = {("gdn", "roles-segments"): ["AB", "GC", "K", "V"],
+                    ("gdn", "segments"): ["AB", "K", "V", "WK", "WQ"],
+                    ("kda", "roles-segments"): ["AB", "GL", "KG", "KW", "V"],
+                    ("kda", "segments"): ["AB", "GL", "KG", "KW", "V"]}
+
+
+@pytest.mark.parametrize("variant,config", list(STATE_PASS_READS))
+def test_the_state_pass_copies_whole_chunks_only(variant, config):
+    """Every segment with a successor is whole chunks, so the state pass reads each of its tensors by
+    cp.async copies of whole chunks, the first chunk's before the loop and the next one's inside it,
+    with no sequence mask."""
+    source = rendered_config(variant, 64, **CONFIGS[variant][config]).source
+    body = source[source.index("def segment_state():"):source.index("return segment_state")]
+    assert "seqlen" not in body and "if_then_else(c" not in body
+    copied = [line.strip().removeprefix("T.async_copy(").split("[")[0] for line in body.splitlines()
+              if line.strip().startswith("T.async_copy(")]
+    assert sorted(copied) == sorted(2 * STATE_PASS_READS[variant, config])
 
 
 def test_segments_need_block_dv_to_divide_dk():
