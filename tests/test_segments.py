@@ -112,6 +112,12 @@ def test_the_glue_walks_the_segments_and_reads_nothing_on_the_host(variant, pack
     entering, leaving = (a for a in sequential if isinstance(a, torch.Tensor) and a.shape == (N * S, HV, m.DK, m.DV))
     assert entering.dtype == leaving.dtype == torch.float32
     assert ht.shape == (N, HV, m.DK, m.DV) and o.shape[:2] == ((1, sum(lengths)) if packed else (2, 600))
+    if not packed:  # a dense call's segments and chunk index are its shape's, built once
+        again = Launched()
+        with monkeypatch.context() as patch:
+            refuse_host_reads(patch)
+            m.forward(again, **x)
+        assert all(a is b for a, b in zip(again.calls["prepare"][-2:], prepare[-2:]))
 
 
 # The tensors the state pass reads per chunk, per variant and sequential form (gdn's role-split form weights
