@@ -480,6 +480,40 @@ def test_a_search_space_whose_values_changed_continues_in_a_study_of_its_own(tmp
 
 
 @pytest.mark.slow
+def test_a_kernel_the_templates_no_longer_render_is_judged_again_and_only_that_counts(tmp_path, monkeypatch, capsys):
+    """After a template change a study's rows judged kernels its configs no longer render to: resumed,
+    the study does not count them toward --trials, judges the kernel the config renders to now and
+    makes that the winner."""
+    from tuner import search
+    from tuner.console import print_summary
+    from tuner.store import Store
+
+    without_kernels(monkeypatch, tmp_path)
+    db = tmp_path / "results.db"
+    good = BEHAVIOURS[2][0]
+    name = enqueue(db, SMALL, [good])
+    before = search.tune(SMALL, trials=1, db=str(db), jobs=1, gate=fixture_gate)
+    (first,) = Store(db).trials(name)
+    assert first.status == "pass" and before.winner.number == first.number and before.stale == 0
+    # What a template change leaves behind: the row's kernel is not what its config renders to now.
+    old = "0" * len(first.digest)
+    con = sqlite3.connect(db)
+    with con:
+        for table in ("tuner_trials", "tuner_claims"):
+            con.execute(f"UPDATE {table} SET digest = ? WHERE study = ?", (old, name))
+    con.close()
+    optuna.load_study(study_name=name, storage=f"sqlite:///{db}").enqueue_trial(good)
+
+    after = search.tune(SMALL, trials=1, db=str(db), jobs=1, gate=fixture_gate)
+    judged = sorted((r for r in Store(db).trials(name) if r.repeat_of is None), key=lambda r: r.number)
+    assert after.study == name and [(r.digest, r.status) for r in judged] == [(old, "pass"), (first.digest, "pass")]
+    assert after.stale == 1 and after.judged == 1 and after.winner.number == judged[1].number
+    print_summary(after)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "2 kernels judged" in said and "1 of the kernels judged are no longer what the templates render" in said
+
+
+@pytest.mark.slow
 def test_tune_seed_on_the_command_line_reproduces_the_configs_asked(tmp_path, cache_env):
     def asked(db):
         result = run_tune(tmp_path / db, "--trials", "3", "--jobs", "1", "--seed", "4", env=cache_env)

@@ -104,8 +104,10 @@ def _print_study(console, summary: TuneSummary) -> None:
     from rich.table import Table
 
     trials = sum(summary.counts.values()) + summary.repeats
+    stale = (f"; {summary.stale} of the kernels judged are no longer what the templates render (not counted "
+             "toward --trials, never the winner)" if summary.stale else "")
     console.print(f"study {summary.study}: {trials} trials, {judged_count(summary.counts)} kernels judged: "
-                  f"{describe_counts(summary.counts, summary.repeats, summary.gated)}", soft_wrap=True)
+                  f"{describe_counts(summary.counts, summary.repeats, summary.gated)}{stale}", soft_wrap=True)
     table = Table(title="winner vs the template's default")
     table.add_column("")
     rows = (summary.winner, summary.default)

@@ -2,7 +2,10 @@
 the winners, and the summary read back from the rows.
 
 A kernel (its digest) is judged once per study: the trial that claims it first judges it, and any
-other trial that proposes it repeats that outcome (``repeat_of``), free of charge.
+other trial that proposes it repeats that outcome (``repeat_of``), free of charge. A row whose config
+the templates now render to another kernel (they changed since) is stale: kept as history, but not
+counted toward ``--trials`` and never the winner, so a study resumed after a template change judges
+the new kernels.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class TuneSummary:
         gated (bool): whether this run gated and timed on a GPU.
         also_at (tuple[TuneSummary]): the companion studies of the ``also_at`` shapes.
         repeats (int): trial rows that repeated the outcome of a kernel judged before.
+        stale (int): kernels judged (counted in ``counts``) that the templates no longer render.
         database (str): where the rows are (a file path or a database URL).
     """
 
@@ -42,6 +46,7 @@ class TuneSummary:
     gated: bool
     also_at: tuple["TuneSummary", ...] = ()
     repeats: int = 0
+    stale: int = 0
     database: str = ""
 
     @property
@@ -53,8 +58,8 @@ class TuneSummary:
 
     @property
     def judged(self) -> int:
-        """Kernels judged (what ``--trials`` counts)."""
-        return judged_count(self.counts)
+        """Kernels judged that the templates still render (what ``--trials`` counts)."""
+        return judged_count(self.counts) - self.stale
 
 
 def judged_count(counts: Counter) -> int:
@@ -65,6 +70,11 @@ def judged_count(counts: Counter) -> int:
 def is_judgement(record: TrialRecord) -> bool:
     """Whether ``record`` judged its kernel itself (rather than repeating another trial's outcome)."""
     return record.digest is not None and record.repeat_of is None and record.status != Status.CONSTRAINT
+
+
+def counts_toward_trials(record: TrialRecord) -> bool:
+    """Whether ``record`` judged a kernel at a cost (a compile at least), as ``--trials`` counts."""
+    return is_judgement(record) and record.status not in FREE
 
 
 class Recorder:
@@ -83,6 +93,8 @@ class Recorder:
         self.judged = {r.digest: r for r in rows if is_judgement(r)}  # digest -> the row that judged it
         self.counts = Counter(r.status for r in rows if r.repeat_of is None)
         self.repeats = sum(r.repeat_of is not None for r in rows)
+        self._current: dict[tuple[int, str], bool] = {}  # (trial number, digest) -> still rendered
+        self.stale = sum(1 for r in rows if counts_toward_trials(r) and not self.is_current(r))
 
     def record(self, number: int, config: dict, status: Status, reason: str = "", **fields) -> TrialRecord:
         """Record trial ``number``'s outcome (``fields``: the other columns of :class:`TrialRecord`)."""
@@ -122,9 +134,12 @@ class Recorder:
                 self.judged[digest] = row
         return self.judged.get(digest)
 
-    def judged_by_all(self) -> int:
-        """Kernels judged in the study by all its workers."""
-        return sum(1 for r in self.store.trials(self.study) if is_judgement(r) and r.status not in FREE)
+    def is_current(self, record: TrialRecord) -> bool:
+        """Whether the templates still render ``record``'s config to the kernel it judged."""
+        key = record.number, record.digest
+        if key not in self._current:
+            self._current[key] = still_rendered(self.problem, record)
+        return self._current[key]
 
     def claim(self, digest: str, number: int) -> int:
         """Claim kernel ``digest`` for trial ``number``; the number of the trial that holds it."""
@@ -150,7 +165,7 @@ def best(problem: Problem, store: Store, study: str) -> TrialRecord | None:
     """The fastest passing row of ``study`` whose kernel is still what the template renders today."""
     rows = [r for r in store.trials(study) if r.status == Status.PASS and r.median_ms is not None]
     for row in sorted(rows, key=lambda r: r.median_ms):
-        if _digest(problem, row.config) == row.digest:
+        if still_rendered(problem, row):
             return row
     return None
 
@@ -164,8 +179,14 @@ def summarise(problem: Problem, store: Store, study: str, space: Space, gated: b
     default_digest = _digest(problem, space.default(problem))
     default = next((r for r in rows if r.digest == default_digest and r.repeat_of is None), None)
     companions = tuple(summarise(p, store, name, space, gated) for p, name in also_at)
+    stale = sum(1 for r in judged if counts_toward_trials(r) and not still_rendered(problem, r))
     return TuneSummary(study, Counter(r.status for r in judged), best(problem, store, study), default, gated=gated,
-                       also_at=companions, repeats=len(rows) - len(judged), database=store.where)
+                       also_at=companions, repeats=len(rows) - len(judged), stale=stale, database=store.where)
+
+
+def still_rendered(problem: Problem, record: TrialRecord) -> bool:
+    """Whether the templates still render ``record``'s config to the kernel it judged."""
+    return _digest(problem, record.config) == record.digest
 
 
 def _digest(problem: Problem, config: dict) -> str | None:

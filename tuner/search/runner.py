@@ -35,7 +35,7 @@ from ..render import RenderError
 from ..status import FREE, Status
 from ..store import TrialRecord, utcnow
 from . import compiling
-from .recorder import Recorder, is_judgement, judged_count
+from .recorder import Recorder, counts_toward_trials, judged_count
 from .strategy import Strategy, lost, worker_id
 
 # Proposals in a row that bring no new kernel (broken constraints, model prunes, repeats) after
@@ -209,7 +209,7 @@ class Runner:
         if trials is None:
             return True
         rows = self.recorder.rows()
-        judged = sum(1 for r in rows.values() if is_judgement(r) and r.status not in FREE)
+        judged = sum(1 for r in rows.values() if counts_toward_trials(r) and self.recorder.is_current(r))
         in_flight = sum(1 for r in self.strategy.running() if r.number not in rows)
         return judged + in_flight < trials
 
@@ -460,11 +460,12 @@ class Runner:
 
     @property
     def judged(self) -> int:
-        return judged_count(self.recorder.counts)
+        return judged_count(self.recorder.counts) - self.recorder.stale
 
     @property
     def best_ms(self) -> float | None:
-        return min((r.median_ms for r in self.recorder.judged.values() if r.median_ms is not None), default=None)
+        return min((r.median_ms for r in self.recorder.judged.values()
+                    if r.median_ms is not None and self.recorder.is_current(r)), default=None)
 
 
 def _latencies(timing: dict) -> dict:
