@@ -42,6 +42,10 @@ CONFIGS = {
                            "gc_loads": "once", "fast_math": True, "prepare_loads": "async", "o_store": "store_warp",
                            "segments": 4},
         "segments": {**PACKED, "solve": "merged", "block_dv": 32, "segments": 2},
+        # The role-split kernel reading its scores and row weights from the precompute kernel.
+        "roles-prepared-scores": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
+                                  "num_stages": 2, "fast_math": True, "prepare_loads": "async",
+                                  "o_store": "store_warp", "output_scores": "prepare"},
     },
     "kda": {
         "default": PACKED,

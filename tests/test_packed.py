@@ -69,7 +69,8 @@ def tolerance(variant):
                                ("kda", 128, "chunked-all"), ("kda", 64, "roles"), ("kda", 128, "roles"),
                                ("kda", 64, "roles-rows-once"), ("kda", 128, "caller-default"),
                                ("gdn", 64, "roles-segments"), ("gdn", 128, "segments"),
-                               ("kda", 64, "roles-segments"), ("kda", 128, "segments")]])
+                               ("kda", 64, "roles-segments"), ("kda", 128, "segments"),
+                               ("gdn", 128, "roles-prepared-scores")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
@@ -247,7 +248,8 @@ def compiled():
 @cuda
 @pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all", "roles",
                                                    "roles-store-warp", "roles-rows-once", "roles-async-gates",
-                                                   "caller-default", "roles-segments", "segments"))
+                                                   "caller-default", "roles-segments", "segments",
+                                                   "roles-prepared-scores"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,

@@ -48,6 +48,8 @@ PRE_SEQ_ROLES_ASYNC_GATES = {**PRE_SEQ_ROLES_ASYNC, "prepare_loads": "async_gate
 # Each sequence walked as segments in parallel: the role-split kernel (with the o store warp) and the one-warpgroup one.
 PRE_SEQ_SEGMENTS = {"roles": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp", "segments": 4},
                     "one-warpgroup": {**PRE_SEQ_MERGED, "segments": 2}}
+# The role-split kernel whose in-chunk scores and row weights come from the precompute kernel.
+PRE_SEQ_ROLES_PREPARED_SCORES = {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp", "output_scores": "prepare"}
 # The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
 CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
@@ -196,6 +198,29 @@ def test_role_split_kernel_needs_64_token_chunks_and_two_ring_buffers_saying_why
     one_warpgroup = {**ROLES[variant], "sequential_roles": False, "num_stages": 0}
     assert variant_space.unstaged_twin(config) == variant_space.complete(problem, one_warpgroup)
     assert "sequential_roles" not in variant_space.normalise({**config, "sequential_roles": False})
+
+
+@pytest.mark.parametrize("dim,packed", [(128, False), (64, True)])
+def test_scores_from_the_precompute_kernel_leave_the_output_role_its_two_products(dim, packed, tmp_path):
+    rendered = rendered_config("gdn", dim, **PRE_SEQ_ROLES_PREPARED_SCORES, **({"packed": True} if packed else {}))
+    assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path)
+    source = rendered.source
+    prepare = source[source.index("def prepare"):source.index("def sequential")]
+    kernel = source[source.index("def sequential"):source.index("return sequential")]
+    output = kernel[kernel.index("T.set_max_nreg(OUTPUT_REGISTERS"):kernel.index("T.set_max_nreg(PRODUCER_REGISTERS")]
+    producer = kernel[kernel.index("T.set_max_nreg(PRODUCER_REGISTERS"):kernel.index("elif tx < 448:")]
+    # The precompute kernel reads Q and writes the scores and both row weights; the sequential kernel
+    # reads them and no cumulative gate.
+    assert all(f"{name}:" in prepare for name in ("Q", "WQ", "WK", "AQK")) and "GC:" not in prepare
+    assert all(f"{name}:" in kernel for name in ("WQ", "WK", "AQK")) and "GC" not in kernel
+    # The output role: Q S and A U only, A as the producer copied it; no exponential anywhere in the kernel.
+    assert [line.strip().split("(")[1].split(",")[0] for line in output.splitlines() if "T.gemm(" in line] == [
+        "Q_s[s", "Aqk_s[s"]
+    assert "exp2" not in kernel and "T.tma_copy(AQK[" in producer
+    # The row weights by the producer warp, zero past the end of the sequence, before the tile copies.
+    assert producer.index("WQ[") < producer.index("T.tma_copy(") and "T.if_then_else(i <= last, WK[" in producer
+    roles = next(k for k in rendered.kernels if k.name == "sequential").roles
+    assert [r.live_registers for r in roles][2] == 64 * 64 / 128  # the output tile only, no C x C scores
 
 
 # The role-split kernels (delta.py.j2's, gdn's and kda's) with o stored by a warp of its own.
@@ -356,12 +381,15 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "prepare_grid": "heads_first"}),
                                              ("pre_seq", PRE_SEQ_ROLES_ASYNC_GATES),
                                              ("pre_seq", PRE_SEQ_SEGMENTS["roles"]),
-                                             ("pre_seq", PRE_SEQ_SEGMENTS["one-warpgroup"])],
+                                             ("pre_seq", PRE_SEQ_SEGMENTS["one-warpgroup"]),
+                                             ("pre_seq", PRE_SEQ_ROLES_PREPARED_SCORES),
+                                             ("pre_seq", {**PRE_SEQ_ROLES_PREPARED_SCORES, "segments": 4})],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
                               "pre_seq-roles-store-warp", "pre_seq-roles-heads-first", "pre_seq-roles-async-gates",
-                              "pre_seq-roles-segments", "pre_seq-segments"))
+                              "pre_seq-roles-segments", "pre_seq-segments", "pre_seq-roles-prepared-scores",
+                              "pre_seq-roles-prepared-scores-segments"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
