@@ -1,6 +1,8 @@
 """tuner.ops: FLA's signatures, clear errors for wrong inputs, the dispatch to FLA where its stored
 baseline is faster (with FLA absent and the stand-in present), and (on a GPU) agreement with the oracle."""
 import inspect
+import itertools
+import math
 import sys
 
 import pytest
@@ -91,7 +93,10 @@ def _delta_rule(variant, B=1, T=8, H=2, HV=4, K=16, **kwargs):
         pytest.param(dict(cu_seqlens=torch.tensor([0, 8]), chunk_indices=torch.zeros(2)), "[chunks, 2]",
                      id="index-shape"),
         pytest.param(dict(initial_state=torch.zeros(1, 2, 16, 16)), "[1, 4, 16, 16]", id="state-heads"),
-        pytest.param(dict(allow_neg_eigval=True), "allow_neg_eigval is not supported", id="neg-eigval"),
+        pytest.param(dict(allow_neg_eigval=True), "`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`",
+                     id="neg-eigval"),
+        pytest.param(dict(use_gate_in_kernel=True), "`A_log` must be provided when `use_gate_in_kernel=True`",
+                     id="gate-without-A_log"),
         # Checked, the inputs reach the device check: the rest is the GPU's.
         pytest.param(dict(K=64, cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
                           initial_state=torch.zeros(2, 4, 64, 64)), "must be on a CUDA device", id="valid"),
@@ -141,6 +146,70 @@ def test_linear_attention_refuses_the_normaliser_across_packed_sequences():
     q, k, v = _qkv()
     with pytest.raises(ops.InputError, match="needs normalize=False"):
         ops.chunk_linear_attn(q, k, v, cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+def test_kda_s_bounded_gate_gets_fla_s_errors():
+    with pytest.raises(ops.InputError, match="`lower_bound` must be specified when `safe_gate=True`"):
+        _delta_rule("kda", use_gate_in_kernel=True, safe_gate=True, A_log=torch.zeros(4))
+    with pytest.raises(ops.InputError, match=r"safe range \[-5, 0\), got -6"):
+        _delta_rule("kda", use_gate_in_kernel=True, safe_gate=True, lower_bound=-6.0)
+    with pytest.raises(ops.InputError, match="must be on a CUDA device"):  # lower_bound stands in for A_log
+        _delta_rule("kda", K=64, use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0)
+
+
+def _softplus(x):
+    return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@pytest.mark.parametrize("form", ["gdn", "kda", "kda-lower-bound", "kda-lower-bound-without-A_log"])
+def test_activations_are_fla_s_formulas_element_by_element(form):
+    """g from the raw gate input and beta from logits, against FLA 0.6.0's documented formulas evaluated
+    one element at a time in float64."""
+    generator = torch.Generator().manual_seed(0)
+    B, T, HV, K = 2, 5, 3, 4
+    per_channel = form.startswith("kda")
+    g = torch.randn(B, T, HV, *((K,) if per_channel else ()), generator=generator, dtype=torch.bfloat16) * 4
+    beta = torch.randn(B, T, HV, generator=generator, dtype=torch.bfloat16) * 3
+    A_log = None if form.endswith("without-A_log") else torch.randn(HV, generator=generator)
+    dt_bias = torch.randn(HV * K if per_channel else HV, generator=generator)
+    lower_bound = -5.0 if "lower-bound" in form else None
+    for neg in (False, True):
+        got_g, got_beta = ops.activated(g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg)
+        assert got_g.dtype == got_beta.dtype == torch.float32
+        for index in itertools.product(*map(range, g.shape)):
+            h = index[2]
+            x = float(g[index]) + float(dt_bias[h * K + index[3] if per_channel else h])
+            if lower_bound is None:
+                want = -math.exp(float(A_log[h])) * _softplus(x)
+            else:
+                want = lower_bound * _sigmoid(x if A_log is None else math.exp(float(A_log[h])) * x)
+            assert float(got_g[index]) == pytest.approx(want, rel=1e-5, abs=1e-6), index
+        for index in itertools.product(*map(range, beta.shape)):
+            assert float(got_beta[index]) == pytest.approx((2 if neg else 1) * _sigmoid(float(beta[index])), rel=1e-6)
+    # Inputs not activated come back as they are.
+    same_g, same_beta = ops.activated(g, beta)
+    assert same_g is g and same_beta is beta
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_in_kernel_activations_give_the_outputs_of_activated_inputs(variant):
+    problem = Problem(variant, 64, 64, "bf16", batch=1, seqlen=200, heads=2)
+    x = make_inputs(problem, regime="default", seed=1, device="cuda")
+    op = ops.chunk_kda if variant == "kda" else ops.chunk_gated_delta_rule
+    raw_g = torch.randn_like(x["g"]).to(torch.bfloat16)
+    logits = torch.randn_like(x["beta"]).to(torch.bfloat16)
+    options = dict(use_gate_in_kernel=True, A_log=torch.rand(2, device="cuda") - 1,
+                   dt_bias=torch.randn(x["g"][0, 0].numel(), device="cuda"), use_beta_sigmoid_in_kernel=True)
+    g, beta = ops.activated(raw_g, logits, **options)
+    o, state = op(x["q"], x["k"], x["v"], raw_g, logits, output_final_state=True, backend="tuner", **options)
+    o_ref, state_ref = op(x["q"], x["k"], x["v"], g, beta, output_final_state=True, backend="tuner")
+    assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
 
 
 @needs_cuda
@@ -244,6 +313,22 @@ def test_a_packed_kda_call_gives_fla_the_sequences_but_not_the_chunk_index_its_c
                   chunk_indices=torch.tensor([[0, 0], [1, 0]]))
     assert passed["cu_seqlens"] is cu_seqlens and passed["cu_seqlens_cpu"] is cu_seqlens_cpu
     assert "chunk_indices" not in passed  # FLA 0.6.0's chunk_kda would take it in **kwargs and ignore it
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_where_fla_runs_it_gets_the_activation_arguments_as_given(variant, measured, fla_standin, monkeypatch):
+    measured(variant, 0.5)
+    x = cpu_inputs(variant)
+    name = "chunk_kda" if variant == "kda" else "chunk_gated_delta_rule"
+    fla, passed = baseline.fla_ops(), {}
+    monkeypatch.setattr(fla, name, lambda *args, **kwargs: passed.update(kwargs, g=args[3]) or (args[0], None))
+    A_log, dt_bias = torch.zeros(x["v"].shape[2]), torch.zeros(x["g"][0, 0].numel())
+    bounded = dict(safe_gate=True, lower_bound=-5.0) if variant == "kda" else {}
+    getattr(ops, name)(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
+                       dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, **bounded)
+    assert passed["g"] is x["g"] and passed["A_log"] is A_log and passed["dt_bias"] is dt_bias
+    assert passed["use_gate_in_kernel"] and passed["use_beta_sigmoid_in_kernel"] and passed["allow_neg_eigval"]
+    assert {k: passed[k] for k in bounded} == bounded
 
 
 @pytest.mark.parametrize("variant", ["linear", "decay", "simple_gla", "gla"])

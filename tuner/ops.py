@@ -19,9 +19,10 @@ lengths at run time), and no tensor's values are read on the host (no sync); the
 the device unless ``chunk_indices`` is given.
 
 Inputs are checked the same whatever runs; forward only: these are inference kernels, an input that
-requires grad is refused. Not supported (a clear error instead): FLA's in-kernel activations
-(``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``). The token-by-token ops (``tuner.decode``)
-always run the tuner's kernels.
+requires grad is refused. FLA's in-kernel activations of the delta-rule ops (``use_gate_in_kernel`` with
+``A_log``, ``dt_bias`` and kda's ``lower_bound``; ``use_beta_sigmoid_in_kernel`` with
+``allow_neg_eigval``) are applied here in torch, in fp32, before the tuner's kernels run (FLA gets them
+as given). The token-by-token ops (``tuner.decode``) always run the tuner's kernels.
 """
 from __future__ import annotations
 
@@ -148,10 +149,53 @@ def _run(problem: Problem, config: tuple, q, k, v, g=None, beta=None, scale=None
     return o, (final_state if output_final_state else None)
 
 
+def _stated(options: dict) -> dict:
+    """The options that differ from FLA's defaults (None and False), to pass on to FLA's op."""
+    return {name: value for name, value in options.items() if value is not None and value is not False}
+
+
 def _unsupported(**options):
-    for name, value in options.items():
-        if value is not None and value is not False:
-            raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
+    for name in _stated(options):
+        raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
+
+
+def _check_activations(variant, use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                       safe_gate=False, lower_bound=None):
+    """FLA 0.6.0's errors for the activation arguments of chunk_gated_delta_rule (gdn) and chunk_kda (kda)."""
+    if use_gate_in_kernel and A_log is None and not (variant == "kda" and lower_bound is not None):
+        raise InputError("`A_log` must be provided when `use_gate_in_kernel=True`"
+                         + (" and `lower_bound` is not set." if variant == "kda" else "."))
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise InputError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
+        if not -5 <= lower_bound < 0:
+            raise InputError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise InputError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+
+
+def activated(g, beta, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
+    """The log decay and the write strength FLA's kernels compute from raw ``g`` and ``beta``, in fp32.
+
+    With ``use_gate_in_kernel``, g [..., HV] (gdn) or [..., HV, K] (kda) is the raw gate input:
+    ``-exp(A_log) * softplus(g + dt_bias)`` (A_log [HV], dt_bias [HV] or [HV * K]), or where
+    ``lower_bound`` is given (kda) ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``, A_log then
+    optional. With ``use_beta_sigmoid_in_kernel`` beta is logits: ``sigmoid(beta)``, twice that with
+    ``allow_neg_eigval``. Inputs not activated are returned as they are."""
+    if use_gate_in_kernel:
+        HV = g.shape[2]
+        per_channel = g.dim() == 4
+        shape = (HV, -1) if per_channel else (HV,)
+        x = g.float() + (0 if dt_bias is None else dt_bias.float().view(shape))
+        a = None if A_log is None else A_log.float().exp().view((HV, 1) if per_channel else (HV,))
+        if lower_bound is not None:
+            g = lower_bound * torch.sigmoid(x if a is None else a * x)
+        else:
+            g = -a * torch.nn.functional.softplus(x)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+    return g, beta
 
 
 def _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk,
@@ -294,7 +338,8 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, backend=None):
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           use_gate_in_kernel=False, A_log=None, dt_bias=None, backend=None):
     """Gated DeltaNet, FLA's ``chunk_gated_delta_rule``.
 
     Args:
@@ -305,6 +350,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         initial_state (torch.Tensor): [N, HV, K, V], N = B or the packed sequences. Default: None.
         output_final_state (bool): Default: False.
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+        use_beta_sigmoid_in_kernel (bool): beta is logits: sigmoid(beta) is used. Default: False.
+        allow_neg_eigval (bool): with use_beta_sigmoid_in_kernel, 2 * sigmoid(beta). Default: False.
         cu_seqlens (torch.Tensor): int32 or int64 [N + 1] on q's device: N sequences packed along T
             (B = 1), sequence n being tokens cu_seqlens[n]:cu_seqlens[n + 1]. Its values are not read on
             the host (no sync), so not checked there: bounds outside [0, T] are clamped to it. Default: None.
@@ -313,21 +360,28 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         chunk_indices (torch.Tensor): FLA's precomputed [chunks, 2] (sequence, chunk) index of the packed
             sequences, used for the kernels' chunk grid in place of the one built on the device.
             Default: None.
+        use_gate_in_kernel (bool): g is the raw gate input: -exp(A_log) * softplus(g + dt_bias) is used
+            (:func:`activated`). Default: False.
+        A_log (torch.Tensor): [HV], needed with use_gate_in_kernel. dt_bias (torch.Tensor): [HV]. Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
-    _unsupported(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                 state_v_first=state_v_first)
+    _unsupported(state_v_first=state_v_first)
+    _check_activations("gdn", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
     problem, fla, config = _route("gdn", q, k, v, g, beta, initial_state, backend, cu_seqlens)
+    activations = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     if fla is not None:
         return fla.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           output_final_state=output_final_state,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                                          cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+                                          cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                                          **_stated(activations))
+    g, beta = activated(g, beta, **activations)
     return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
@@ -335,7 +389,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
-              backend=None):
+              safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, backend=None):
     """Kimi Delta Attention, FLA's ``chunk_kda``.
 
     Args:
@@ -346,25 +400,38 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         initial_state (torch.Tensor): [N, HV, K, V], N = B or the packed sequences. Default: None.
         output_final_state (bool): Default: False.
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+        use_gate_in_kernel (bool): g is the raw gate input: -exp(A_log) * softplus(g + dt_bias), or with
+            lower_bound, lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) is used (:func:`activated`).
+            Default: False.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval (bool): as for ``chunk_gated_delta_rule``. Default: False.
         cu_seqlens, cu_seqlens_cpu (torch.Tensor): packed sequences, as for ``chunk_gated_delta_rule``.
             Default: None.
         chunk_indices (torch.Tensor): FLA's [chunks, 2] (sequence, chunk) index of the packed sequences,
             as for ``chunk_gated_delta_rule``. FLA 0.6.0's ``chunk_kda`` has no such parameter (it builds
             its own), so where FLA runs the call it is not passed on. Default: None.
+        safe_gate (bool): FLA's bounded-gate kernels; here only its checks of lower_bound. Default: False.
+        lower_bound (float): the gate's lower bound with use_gate_in_kernel. Default: None.
+        A_log (torch.Tensor): [HV], needed with use_gate_in_kernel unless lower_bound is given.
+            dt_bias (torch.Tensor): [HV * K]. Default: None.
         backend (str): ``"auto"``, ``"tuner"`` or ``"fla"`` (module docstring). Default:
             ``$LINATTN_BACKEND``, else ``"auto"``.
 
     Returns:
         o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
-    _unsupported(use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
+    _unsupported(state_v_first=state_v_first)
+    _check_activations("kda", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                       lower_bound)
     _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
     problem, fla, config = _route("kda", q, k, v, g, beta, initial_state, backend, cu_seqlens)
+    activations = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     if fla is not None:
         return fla.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                             **_stated(dict(activations, safe_gate=safe_gate)))
+    g, beta = activated(g, beta, **activations)
     return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
