@@ -309,10 +309,29 @@ def test_pool_form_needs_the_pool_and_refuses_what_it_does_not_support():
     with pytest.raises(decode.DecodeInputError, match="ssm_state_indices must have shape"):
         decode.plan("gdn", q, k, v, g, beta, initial_state=torch.zeros(4, 2, 16, 8),
                     ssm_state_indices=torch.tensor([0, 1, 2]))
-    with pytest.raises(decode.DecodeInputError, match="use_gate_in_kernel"):
+    with pytest.raises(decode.DecodeInputError, match="`A_log` must be provided when `use_gate_in_kernel=True`"):
         decode.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, use_gate_in_kernel=True)
+    with pytest.raises(decode.DecodeInputError, match="`g` \\(raw pre-activation\\) must be provided"):
+        decode.fused_recurrent_gated_delta_rule(q, k, v, beta=beta, use_gate_in_kernel=True, A_log=torch.zeros(2))
     with pytest.raises(decode.DecodeInputError, match="grouped value heads"):
         decode.plan("simple_gla", *inputs("simple_gla", batch=1, seqlen=1, heads=2, value_heads=4)[:4])
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_the_activations_reach_the_kernels_as_fla_computes_them(variant, monkeypatch):
+    """FLA's use_gate_in_kernel and use_beta_sigmoid_in_kernel: the kernels get the activated g and beta."""
+    from tuner.activations import activated
+
+    q, k, v, g, beta = inputs(variant, batch=2, seqlen=3)
+    ran = {}
+    monkeypatch.setattr(decode, "run", lambda variant, q, k, v, g, beta, *rest: ran.update(g=g, beta=beta))
+    options = dict(use_gate_in_kernel=True, A_log=torch.randn(2), dt_bias=torch.randn(g[0, 0].numel()),
+                   use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    op = decode.fused_recurrent_kda if variant == "kda" else decode.fused_recurrent_gated_delta_rule
+    op(q, k, v, g=g, beta=beta, **options)
+    want_g, want_beta = activated(g, beta, **options)
+    assert torch.equal(ran["g"], want_g) and torch.equal(ran["beta"], want_beta)
+    assert not torch.equal(want_g, g.float()) and bool((want_beta > 0).all() and (want_beta < 2).all())
 
 
 def test_the_config_is_looked_up_once_per_shape_bucket(monkeypatch):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .activations import activated, check_activations
 from .errors import UserError
 from .inputs import retention_log_decay
 from .lookup import best_config
@@ -237,8 +238,7 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
 def _refuse(**options):
     for name, value in options.items():
         if value is not None and value is not False:
-            raise DecodeInputError(f"{name} is not supported by the decode ops (the gates come in log space, "
-                                   "beta after its sigmoid)")
+            raise DecodeInputError(f"{name} is not supported by the decode ops")
 
 
 def _l2norm(q, k, on: bool):
@@ -264,6 +264,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
             ssm_state_indices the pool [slots, HV, K, V] updated in place. Default: None.
         output_final_state (bool): Default: False (the pool form always returns the pool).
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first. Default: False.
+        use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's activations
+            of g and beta (kda also lower_bound), applied in torch first (:func:`tuner.activations.activated`).
         state_v_first (bool): states stored [V, K] (vLLM's pool). Default: False.
         cu_seqlens (torch.Tensor): [N + 1] packed sequences, B = 1. Default: None.
         ssm_state_indices (torch.Tensor): int32/int64 [N], each sequence's slot; -1 skips it. Or [N, W]
@@ -276,8 +278,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     Returns:
         o [B, T, HV, V] and the final state (the pool itself in the pool form), or None.
     """
-    _refuse(gk=gk, gv=gv, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    _refuse(gk=gk, gv=gv)
+    check_activations("gdn", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                      error=DecodeInputError)
+    if use_gate_in_kernel and g is None:
+        raise DecodeInputError("`g` (raw pre-activation) must be provided when `use_gate_in_kernel=True`.")
+    g, beta = activated(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
     q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
     return run("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
                state_v_first, out, num_accepted_tokens)
@@ -292,8 +299,11 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
 
     Args: as :func:`fused_recurrent_gated_delta_rule`, with g the per-channel log decay [B, T, HV, K].
     """
-    _refuse(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    check_activations("kda", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                      lower_bound=lower_bound, error=DecodeInputError)
+    g, beta = activated(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval=allow_neg_eigval)
     q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
     return run("kda", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
                state_v_first, out, num_accepted_tokens)

@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from . import baseline
+from .activations import activated, check_activations
 from .errors import UserError
 from .inputs import check_layout, retention_log_decay
 from .lookup import best_config
@@ -157,45 +158,6 @@ def _stated(options: dict) -> dict:
 def _unsupported(**options):
     for name in _stated(options):
         raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
-
-
-def _check_activations(variant, use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                       safe_gate=False, lower_bound=None):
-    """FLA 0.6.0's errors for the activation arguments of chunk_gated_delta_rule (gdn) and chunk_kda (kda)."""
-    if use_gate_in_kernel and A_log is None and not (variant == "kda" and lower_bound is not None):
-        raise InputError("`A_log` must be provided when `use_gate_in_kernel=True`"
-                         + (" and `lower_bound` is not set." if variant == "kda" else "."))
-    if safe_gate and use_gate_in_kernel:
-        if lower_bound is None:
-            raise InputError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
-        if not -5 <= lower_bound < 0:
-            raise InputError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise InputError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
-
-
-def activated(g, beta, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
-    """The log decay and the write strength FLA's kernels compute from raw ``g`` and ``beta``, in fp32.
-
-    With ``use_gate_in_kernel``, g [..., HV] (gdn) or [..., HV, K] (kda) is the raw gate input:
-    ``-exp(A_log) * softplus(g + dt_bias)`` (A_log [HV], dt_bias [HV] or [HV * K]), or where
-    ``lower_bound`` is given (kda) ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``, A_log then
-    optional. With ``use_beta_sigmoid_in_kernel`` beta is logits: ``sigmoid(beta)``, twice that with
-    ``allow_neg_eigval``. Inputs not activated are returned as they are."""
-    if use_gate_in_kernel:
-        HV = g.shape[2]
-        per_channel = g.dim() == 4
-        shape = (HV, -1) if per_channel else (HV,)
-        x = g.float() + (0 if dt_bias is None else dt_bias.float().view(shape))
-        a = None if A_log is None else A_log.float().exp().view((HV, 1) if per_channel else (HV,))
-        if lower_bound is not None:
-            g = lower_bound * torch.sigmoid(x if a is None else a * x)
-        else:
-            g = -a * torch.nn.functional.softplus(x)
-    if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
-    return g, beta
 
 
 def _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk,
@@ -370,7 +332,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
     _unsupported(state_v_first=state_v_first)
-    _check_activations("gdn", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    check_activations("gdn", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval, error=InputError)
     _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
     problem, fla, config = _route("gdn", q, k, v, g, beta, initial_state, backend, cu_seqlens)
     activations = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
@@ -420,8 +382,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
     _unsupported(state_v_first=state_v_first)
-    _check_activations("kda", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                       lower_bound)
+    check_activations("kda", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                      lower_bound, error=InputError)
     _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
     problem, fla, config = _route("kda", q, k, v, g, beta, initial_state, backend, cu_seqlens)
     activations = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
@@ -437,7 +399,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 
 __all__ = ["chunk_linear_attn", "chunk_retention", "chunk_simple_gla", "chunk_gla", "chunk_gated_delta_rule",
-           "chunk_kda", "retention_log_decay", "InputError"]
+           "chunk_kda", "activated", "retention_log_decay", "InputError"]
 
 
 # The token-by-token (decode) ops, FLA's fused_recurrent_* with the state-pool form (tuner/decode.py).
