@@ -1,6 +1,7 @@
 """FLA's in-kernel activations of the delta-rule ops' inputs, done in torch before the tuner's kernels
-run: the log decay from the raw gate input and the write strength from logits (FLA 0.6.0's
-``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel`` and their parameters), with FLA's errors."""
+run: q and k normalised, the log decay from the raw gate input and the write strength from logits
+(FLA 0.6.0's ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel`` and
+their parameters), with FLA's errors."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +20,13 @@ def check_activations(variant, use_gate_in_kernel, A_log, use_beta_sigmoid_in_ke
             raise error(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise error("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+
+
+def l2normalised(q, k, on: bool):
+    """FLA's use_qk_l2norm_in_kernel: q and k normalised over K (in fp32, back in their dtype) where ``on``."""
+    if not on:
+        return q, k
+    return tuple(torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
 
 
 def activated(g, beta, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .activations import activated, check_activations
+from .activations import activated, check_activations, l2normalised
 from .errors import UserError
 from .inputs import retention_log_decay
 from .lookup import best_config
@@ -241,13 +241,6 @@ def _refuse(**options):
             raise DecodeInputError(f"{name} is not supported by the decode ops")
 
 
-def _l2norm(q, k, on: bool):
-    """FLA's use_qk_l2norm_in_kernel, done here in torch: the kernels take normalised q, k."""
-    if not on:
-        return q, k
-    return tuple(torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
-
-
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -285,7 +278,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         raise DecodeInputError("`g` (raw pre-activation) must be provided when `use_gate_in_kernel=True`.")
     g, beta = activated(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
-    q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
+    q, k = l2normalised(q, k, use_qk_l2norm_in_kernel)
     return run("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
                state_v_first, out, num_accepted_tokens)
 
@@ -304,7 +297,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     g, beta = activated(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                         lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                         allow_neg_eigval=allow_neg_eigval)
-    q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
+    q, k = l2normalised(q, k, use_qk_l2norm_in_kernel)
     return run("kda", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ssm_state_indices,
                state_v_first, out, num_accepted_tokens)
 

@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from . import baseline
-from .activations import activated, check_activations
+from .activations import activated, check_activations, l2normalised
 from .errors import UserError
 from .inputs import check_layout, retention_log_decay
 from .lookup import best_config
@@ -162,8 +162,7 @@ def _unsupported(**options):
 
 def _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk,
                 **sequences):
-    if l2norm_qk:  # FLA's use_qk_l2norm_in_kernel, done here in torch: the kernels take normalised q, k
-        q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(x.dtype) for x in (q, k))
+    q, k = l2normalised(q, k, l2norm_qk)  # done here in torch: the kernels take normalised q, k
     return _run(problem, config, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, **sequences)
 

@@ -101,6 +101,7 @@ class Recorder:
         record = TrialRecord(study=self.study, number=number, problem=self.problem, config=config, status=status,
                              stack=self.stack, reason=reason, **fields)
         self._write(record)
+        self._current[number, record.digest] = True  # judged on what the templates render now
         if is_judgement(record):
             self.judged[record.digest] = record
         return record
