@@ -3,7 +3,11 @@
     python benchmarks/kernel_breakdown.py --variant gdn --dk 128 --shape 4x8192x16 [--stored] [--set block_dv=64 ...]
 
 The chunked splits launch several kernels (W/U, state pass, output); their sum next to the whole
-forward's time (``tuner.bench.time_forward``) shows which one the templates should work on.
+forward's time (``tuner.bench.time_forward``) shows which one the templates should work on, and what
+the host and the glue between the kernels add.
+
+``--packed`` times the packed kernels (``packed=true``) on the packed problem's inputs, as the tuner
+times them (``tuner.inputs.timing_inputs``: ``--shape 1xTxHV``, the gate's packed mix of lengths).
 
 ``--flashqla`` (gdn, DK = DV = 128) also times FlashQLA's chunk-parallel kernels on the same k, g
 and beta the same way: its chunk-local cumulative sum and its K K^T solve, the work of our
@@ -22,7 +26,8 @@ from tuner.errors import UserError
 from tuner.lookup import best_config
 from tuner.candidate import Candidate
 from tuner.compile import load_kernels
-from tuner.inputs import make_inputs
+from tuner.bench import time_forward
+from tuner.inputs import timing_inputs
 from tuner.problem import Problem, parse_shape
 
 REPS = 20
@@ -50,18 +55,12 @@ def starting_config(problem: Problem, overrides: dict, stored: bool, device=None
     base = start or {}
     if stored:
         found = best_config(problem.variant, problem.dk, problem.dv, problem.dtype, problem.batch, problem.seqlen,
-                            problem.heads, device=device, backend="tuner")
+                            problem.heads, device=device, backend="tuner", packed=problem.packed)
         if found.row is None:
             raise UserError(f"no winner of {problem.variant} k{problem.dk} at {problem.shape} is stored for this GPU "
                             f"(tune it, or leave out --stored)")
         base = found.config
     return space.load(problem.variant).complete(problem, {**base, **overrides})
-
-
-def breakdown(problem: Problem, config: dict, inputs: dict) -> dict[str, float]:
-    """Mean milliseconds per forward of each kernel of ``config`` on ``inputs``."""
-    module, kernels = load_kernels(Candidate.from_config(problem, config))
-    return per_kernel_ms(module, kernels, inputs)
 
 
 def per_kernel_ms(module, kernels: dict, inputs: dict) -> dict[str, float]:
@@ -113,24 +112,33 @@ def main(argv=None) -> int:
                    help="change the config (the default, or with --stored the winner)")
     p.add_argument("--flashqla", action="store_true",
                    help="gdn at DK 128: also time FlashQLA's cumulative sum and K K^T solve on the same inputs")
+    p.add_argument("--packed", action="store_true",
+                   help="the packed kernels on the packed problem's inputs (--shape 1xTxHV: T tokens in all)")
     args = p.parse_args(argv)
     if args.flashqla and (args.variant, args.dk) != ("gdn", 128):
         p.error("--flashqla times FlashQLA's gdn kernels, which take DK = 128 only")
+    batch, seqlen, heads = parse_shape(args.shape)
+    if args.packed and batch != 1:
+        p.error("--packed: the shape is 1xTxHV (T tokens in all)")
     if not torch.cuda.is_available():
         print("kernel_breakdown: needs a CUDA GPU", file=sys.stderr)
         return 2
-    batch, seqlen, heads = parse_shape(args.shape)
-    problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads)
+    problem = Problem(args.variant, args.dk, args.dk, batch=batch, seqlen=seqlen, heads=heads, packed=args.packed)
+    overrides = {**parse_overrides(args.set), **({"packed": "true"} if args.packed else {})}
     try:
-        config = starting_config(problem, parse_overrides(args.set), args.stored)
+        config = starting_config(problem, overrides, args.stored)
     except UserError as e:
         print(f"kernel_breakdown: {e}", file=sys.stderr)
         return 2
-    inputs = make_inputs(problem, "default", 0, torch.device("cuda"))
-    per_kernel = breakdown(problem, config, inputs)
+    inputs = timing_inputs(problem, torch.device("cuda"))
+    module, kernels = load_kernels(Candidate.from_config(problem, config))
+    per_kernel = per_kernel_ms(module, kernels, inputs)
     for name, ms in per_kernel.items():
         print(f"{name:<14}{ms:8.3f} ms")
-    print(f"{'sum':<14}{sum(per_kernel.values()):8.3f} ms  ({args.variant} k{args.dk} {args.shape}, {config})")
+    print(f"{'sum':<14}{sum(per_kernel.values()):8.3f} ms  ({args.variant} k{args.dk} {problem.label}, {config})")
+    whole = time_forward(lambda: module.forward(kernels, **inputs))
+    print(f"{'forward':<14}{whole.median_ms:8.3f} ms  (the whole call, median: the kernels, the glue between them "
+          f"and the host)")
     if args.flashqla:
         for name, ms in flashqla_precompute_ms(inputs).items():
             print(f"{name:<20}{ms:8.3f} ms")

@@ -13,7 +13,7 @@ rate measured on the H200. Prints a table and writes JSON; each row names the co
     FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/vs_fla.py --json benchmarks/vs_fla.json
 
 The variants of :data:`PACKED_VARIANTS` also get packed rows (``--packed TxHV``): sequences of the
-correctness gate's ``packed`` regime (``tuner.inputs.make_inputs``, a fixed seed, so every run times
+correctness gate's ``packed`` regime (``tuner.inputs.timing_inputs``, a fixed seed, so every run times
 the same mix of lengths) packed into one row of T tokens (B = 1, ``cu_seqlens``), HV value heads (gdn's
 and kda's grouped two to a query/key head), one initial state per sequence; ours, FLA and the dispatch
 all get the same ``cu_seqlens``. Their shape reads ``packed NxT H<H>/HV<HV>`` (N sequences), apart from
@@ -48,8 +48,8 @@ import torch  # noqa: E402
 
 from tuner import best_config, ops  # noqa: E402
 from tuner.baseline import autotune_fla_at, problem_label  # noqa: E402
-from tuner.bench import H200_COPY_GBPS, memory_floor_ms, time_forward, time_side_by_side  # noqa: E402
-from tuner.inputs import make_inputs  # noqa: E402
+from tuner.bench import inputs_floor_ms, memory_floor_ms, time_forward, time_side_by_side  # noqa: E402
+from tuner.inputs import timing_inputs  # noqa: E402
 from tuner.problem import Problem, parse_shape  # noqa: E402
 from tuner.variants import VARIANTS  # noqa: E402
 
@@ -121,7 +121,7 @@ def dense_inputs(variant: str, dk: int, dtype: str, shape: tuple[int, int, int])
     """The problem at ``shape`` (B, T, H), its inputs on the GPU and the start of its row."""
     B, T, H = shape
     problem = Problem(variant, dk, dk, dtype, B, T, H)
-    x = make_inputs(problem, regime="default", seed=0, device="cuda")
+    x = timing_inputs(problem, device="cuda")
     return problem, x, {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": B, "seqlen": T, "heads": H,
                         "floor_ms": memory_floor_ms(problem)}
 
@@ -129,31 +129,17 @@ def dense_inputs(variant: str, dk: int, dtype: str, shape: tuple[int, int, int])
 def packed_inputs(variant: str, dk: int, dtype: str, shape: tuple[int, int]) -> tuple[Problem, dict, dict]:
     """The packed problem at ``shape`` (total tokens T, value heads HV), its inputs and the start of its row.
 
-    The problem is ``1 x T x HV``, as ``tuner.ops`` looks packed calls up. The inputs are the gate's
-    ``packed`` regime at seed 0: the same lengths every run (``tuner.inputs.packed_lengths``), q and k
-    with HV / 2 heads for gdn and kda (grouped value heads), HV for the others, an initial state per
-    sequence.
+    The problem is ``1 x T x HV`` packed, as ``tuner.ops`` looks packed calls up and the tuner times
+    them (``tuner.inputs.timing_inputs``): the gate's ``packed`` regime at seed 0, the same lengths every
+    run (``tuner.inputs.packed_lengths``), q and k with HV / 2 heads for gdn and kda (grouped value
+    heads), HV for the others, an initial state per sequence.
     """
     T, HV = shape
-    problem = Problem(variant, dk, dk, dtype, 1, T, HV)
-    x = make_inputs(problem, regime="packed", seed=0, device="cuda")
+    problem = Problem(variant, dk, dk, dtype, 1, T, HV, packed=True)
+    x = timing_inputs(problem, device="cuda")
     return problem, x, {"variant": variant, "dk": dk, "dv": dk, "dtype": dtype, "batch": 1, "seqlen": T, "heads": HV,
                         "qk_heads": x["q"].shape[2], "sequences": x["cu_seqlens"].shape[0] - 1,
                         "floor_ms": inputs_floor_ms(x)}
-
-
-def inputs_floor_ms(x: dict) -> float:
-    """The memory-bound floor of packed inputs, counted as ``memory_floor_ms`` counts (each input read
-    once, o and the final states written once, at the H200's copy rate) from the tensors themselves:
-    ``memory_floor_ms`` takes neither q and k with fewer heads than v nor one state per sequence.
-    cu_seqlens' few bytes are left out."""
-    def nbytes(t):
-        return t.numel() * t.element_size()
-
-    read = sum(nbytes(x[name]) for name in ("q", "k", "v", "g", "beta", "initial_state") if x[name] is not None)
-    # o has v's shape and dtype, the final states the initial ones'.
-    written = nbytes(x["v"]) + nbytes(x["initial_state"])
-    return (read + written) / (H200_COPY_GBPS * 1e9) * 1e3
 
 
 def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = False) -> dict:
@@ -163,7 +149,7 @@ def measure(variant: str, dk: int, dtype: str, shape: tuple, packed: bool = Fals
     problem, x, row = (packed_inputs if packed else dense_inputs)(variant, dk, dtype, shape)
     try:
         ours, fla = op_calls(ops, variant, x, backend="tuner"), op_calls(fla_ops(), variant, x)
-        autotune_fla_at(problem_label(problem, packed))
+        autotune_fla_at(problem_label(problem))
         with_state = (op_calls(ops, variant, x, backend="tuner", output_final_state=True),
                       op_calls(fla_ops(), variant, x, output_final_state=True))
         row["vs_fla"] = {name: compare(with_state[0][name], with_state[1][name], problem.tolerance) for name in ours}

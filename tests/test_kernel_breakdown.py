@@ -22,6 +22,12 @@ def test_flashqla_comparison_is_refused_where_flashqla_has_no_kernel(args, capsy
     assert "FlashQLA's gdn kernels, which take DK = 128 only" in capsys.readouterr().err
 
 
+def test_packed_needs_a_shape_of_one_row(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        kernel_breakdown.main(["--variant", "gdn", "--packed", "--shape", "4x8192x16"])
+    assert exit_.value.code == 2 and "--packed: the shape is 1xTxHV" in capsys.readouterr().err
+
+
 # The shipped results.db's stacks: kda D 128's role-split winners were tuned on an H100, its chunked ones
 # on the H200 (tuner.best_config checks the rest of the stack as it does for every lookup).
 H200 = Stack("NVIDIA H200", "sm_90", "0.1.15", "13.0.88", "580.159.04", "2.11.0+cu130")

@@ -310,10 +310,49 @@ GDN = Problem("gdn", 64, 64)
 PACKED = space.load("gdn").default(GDN, {"packed": True})
 
 
-def put_gdn(db, config, *, batch, seqlen, heads, median_ms):
-    problem = dataclasses.replace(GDN, batch=batch, seqlen=seqlen, heads=heads)
+def put_gdn(db, config, *, batch, seqlen, heads, median_ms, packed=False):
+    """A gdn winner; ``packed``: timed on packed inputs (as ``tune --fix packed=true`` times it)."""
+    problem = dataclasses.replace(GDN, batch=batch, seqlen=seqlen, heads=heads, packed=packed)
     Store(db).write_winner(Winner(problem, H200, Candidate.from_config(problem, config).digest, config, median_ms,
                                   median_ms * 0.95, median_ms * 1.1, {"rel_l2": 1e-3}, "s", 0), "pass")
+
+
+def fla_gdn(db, median_ms, *, packed):
+    problem = dataclasses.replace(GDN, batch=1, seqlen=32768, heads=32, packed=packed)
+    Store(db).add_baseline(Baseline(problem, H200, "0.6.0+standin", "pass", median_ms, median_ms * 0.97,
+                                    median_ms * 1.03, 0.1, {}, measured_at=datetime(2026, 3, 1), autotuned_at_shape=True))
+
+
+def test_a_winner_timed_on_packed_inputs_answers_packed_calls_first_and_never_a_dense_one(tmp_path):
+    """Its time is of packed sequences, far more parallel work than one dense row of as many tokens: a
+    dense call never takes it, however fast; a packed call takes it before a packed config timed dense."""
+    db = tmp_path / "user.db"
+    timed_packed = {**PACKED, "block_dv": 16}
+    dense = space.load("gdn").default(GDN)
+    put_gdn(db, timed_packed, batch=1, seqlen=32768, heads=32, median_ms=0.5, packed=True)
+    put_gdn(db, PACKED, batch=1, seqlen=32768, heads=32, median_ms=0.4)  # a packed config timed dense
+    put_gdn(db, dense, batch=1, seqlen=32768, heads=32, median_ms=1.0)
+    got = best_config("gdn", 64, batch=1, seqlen=32768, heads=32, device=H200, db=db, packed=True)
+    assert (got.source, got.config) == ("exact", timed_packed) and got.row.problem.packed
+    assert best_config("gdn", 64, batch=1, seqlen=32768, heads=32, device=H200, db=db).config == PACKED
+    Store(db).close()
+    with Store(db)._engine.begin() as conn:  # only the packed winner left: a dense call gets the default
+        conn.exec_driver_sql("DELETE FROM tuner_winners WHERE packed = 0")
+    got = best_config("gdn", 64, batch=1, seqlen=32768, heads=32, device=H200, db=db)
+    assert (got.source, got.config) == ("default", dense)
+
+
+def test_a_packed_call_is_compared_with_fla_timed_on_packed_inputs(tmp_path, fla_standin):
+    """FLA's dense time at as many tokens says little of its packed one: a packed call's winner is
+    compared with FLA timed on packed inputs where there is such a baseline, else with the dense one."""
+    db = tmp_path / "user.db"
+    put_gdn(db, PACKED, batch=1, seqlen=32768, heads=32, median_ms=1.0, packed=True)
+    fla_gdn(db, 0.5, packed=False)
+    got = best_config("gdn", 64, batch=1, seqlen=32768, heads=32, device=H200, db=db, packed=True)
+    assert (got.backend, got.baseline.problem.packed) == ("fla", False)
+    fla_gdn(db, 2.0, packed=True)
+    got = best_config("gdn", 64, batch=1, seqlen=32768, heads=32, device=H200, db=db, packed=True)
+    assert (got.backend, got.baseline.median_ms, got.baseline.problem.packed) == ("tuner", 2.0, True)
 
 
 def test_a_packed_call_finds_the_packed_winner_by_its_total_tokens_and_value_heads(tmp_path):

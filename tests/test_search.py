@@ -1,6 +1,7 @@
 """The tuning loop against real processes and real SQLite files: a compile-only study of
 ``linear`` at dk=64, killed with SIGKILL and resumed; bad input; a locked database."""
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import pytest
 
 from tuner import space
 from tuner.candidate import violations
+from tuner.errors import UserError
 from tuner.problem import Problem
 
 import search_doubles
@@ -667,6 +669,37 @@ def test_tune_times_fla_once_per_stack_and_version_at_every_shape_it_tunes(tmp_p
     assert rows[0].gate_errors["default"]["o"] < 1e-2  # checked against the fp64 oracle like a kernel
     out = capsys.readouterr().out
     assert out.count(f"timing FLA {fla_standin}'s chunk_linear_attn at {SMALL.shape}, {larger}") == 1
+
+
+@pytest.mark.slow
+def test_a_packed_problem_is_tuned_with_packed_kernels_and_fla_timed_on_the_packed_mix(tmp_path, monkeypatch,
+                                                                                     fla_standin):
+    """``--fix packed=true``: the study's problem is packed, every kernel judged states packed, and FLA's
+    op is gated and timed on the packed regime's mix (its floor counts one state per sequence), apart
+    from the dense problem of the same shape."""
+    from tuner import search, stack
+    from tuner.bench import inputs_floor_ms, memory_floor_ms
+    from tuner.inputs import timing_inputs
+    from tuner.store import Store
+
+    without_kernels(monkeypatch, tmp_path)
+    db, gated, shape = tmp_path / "results.db", [], Problem("linear", 64, 64, batch=1, seqlen=600, heads=2)
+    summary = search.tune(shape, trials=1, db=str(db), jobs=1, gate=fla_gate(gated), fixed={"packed": "true"})
+    packed = dataclasses.replace(shape, packed=True)
+    assert summary.study == search.study_name(packed, stack.current(), space.load("linear").fix({"packed": True}))
+    assert "-h2-packed+packed=True@" in summary.study
+    (b,) = Store(db).baselines()
+    assert (b.problem, b.status) == (packed, "pass") and b.gate_errors["default"]["o"] < 1e-2
+    x = timing_inputs(packed, "cpu")
+    assert x["cu_seqlens"].shape[0] > 5 and x["initial_state"].shape[0] == x["cu_seqlens"].shape[0] - 1
+    assert b.floor_ms == pytest.approx(inputs_floor_ms(x)) and b.floor_ms > 1.5 * memory_floor_ms(packed)
+    trials = Store(db).trials()
+    assert trials and all(t.problem == packed and t.config["packed"] is True for t in trials)
+    with pytest.raises(UserError, match="a packed problem is timed as one row"):
+        search.tune(Problem("linear", 64, 64, batch=2, seqlen=600, heads=2), trials=1, db=str(db),
+                    fixed={"packed": "true"}, gate=fla_gate(gated))
+    with pytest.raises(UserError, match="a packed problem's shapes are 1 x total tokens"):
+        search.tune(shape, trials=1, db=str(db), fixed={"packed": "true"}, gate=fla_gate(gated), also_at=("2x600x2",))
 
 
 def test_tune_without_fla_says_so_and_stores_no_baseline(tmp_path, monkeypatch, capsys):

@@ -8,8 +8,8 @@ import torch
 from template_checks import benchmark_module
 
 from tuner import ops
-from tuner.bench import H200_COPY_GBPS, Timing, memory_floor_ms
-from tuner.inputs import make_inputs, packed_lengths
+from tuner.bench import H200_COPY_GBPS, Timing, inputs_floor_ms, memory_floor_ms
+from tuner.inputs import make_inputs, packed_lengths, timing_inputs
 from tuner.problem import Problem
 from tuner.variants import VARIANTS
 
@@ -23,7 +23,7 @@ def vs_fla():
 @pytest.fixture
 def on_cpu(vs_fla, monkeypatch):
     """vs_fla's inputs made on the CPU (it puts them on the GPU)."""
-    monkeypatch.setattr(vs_fla, "make_inputs", lambda problem, **kw: make_inputs(problem, **{**kw, "device": "cpu"}))
+    monkeypatch.setattr(vs_fla, "timing_inputs", lambda problem, device: timing_inputs(problem, "cpu"))
     return vs_fla
 
 
@@ -33,7 +33,7 @@ def test_packed_inputs_are_one_row_of_the_gates_fixed_mix_with_grouped_value_hea
     problem, x, row = on_cpu.packed_inputs(variant, D, "bf16", (T, HV))
     lengths = packed_lengths(T, torch.Generator().manual_seed(0))  # seed 0: the same mix every run
     N, H = len(lengths), HV // 2
-    assert problem == Problem(variant, D, D, "bf16", 1, T, HV)  # as tuner.ops looks a packed call up
+    assert problem == Problem(variant, D, D, "bf16", 1, T, HV, packed=True)  # as the tuner times a packed problem
     bounds = x["cu_seqlens"].tolist()
     assert len(bounds) == N + 1 and bounds[0] == 0 and bounds[-1] == T
     assert [b - a for a, b in zip(bounds, bounds[1:])] == lengths and min(lengths) >= 1
@@ -51,12 +51,14 @@ def test_packed_inputs_are_one_row_of_the_gates_fixed_mix_with_grouped_value_hea
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_the_packed_floor_counts_as_memory_floor_ms_does_on_dense_inputs(vs_fla, variant):
+def test_the_packed_floor_counts_as_memory_floor_ms_does_on_dense_inputs(variant):
     """Where memory_floor_ms can count (q, k and v with the same heads, a state per batch row), the
-    count from the tensors agrees with it, gates and beta where the variant has them."""
+    count from the tensors agrees with it, gates and beta where the variant has them, with an initial
+    state read or none."""
     problem = Problem(variant, 64, 64, "bf16", batch=2, seqlen=256, heads=4)
     x = make_inputs(problem, regime="initial_state")
-    assert vs_fla.inputs_floor_ms(x) == pytest.approx(memory_floor_ms(problem, initial_state=True))
+    assert inputs_floor_ms(x) == pytest.approx(memory_floor_ms(problem, initial_state=True))
+    assert inputs_floor_ms(make_inputs(problem)) == pytest.approx(memory_floor_ms(problem))
 
 
 @pytest.mark.parametrize("variant", ["decay", "simple_gla", "gla", "gdn", "kda"])

@@ -77,7 +77,8 @@ def gate(job: dict, progress) -> dict:
 
     tolerance = job["tolerance"]
     worst_failure = None
-    for regime in job["regimes"] or inputs.regimes_for(problem.variant, packed=config.get("packed", False)):
+    packed = problem.packed or config.get("packed", False)
+    for regime in job["regimes"] or inputs.regimes_for(problem.variant, packed=packed):
         for T in job["seqlens"]:
             for seed in job["seeds"]:
                 where = f"regime {regime}, T={T}, seed {seed}"
@@ -105,7 +106,7 @@ def gate(job: dict, progress) -> dict:
 
         timing = dict(warmup_ms=job["warmup_ms"], rep=job["rep"], device=device if device.type == "cuda" else None)
         progress("timing")
-        x = inputs.make_inputs(problem, "default", 0, device)
+        x = inputs.timing_inputs(problem, device)
         out["timing"] = bench.time_module(problem, module, kernels, x, **timing)
         out["timing_at"] = {}
         for shape in job["also_at"]:
@@ -113,7 +114,7 @@ def gate(job: dict, progress) -> dict:
             at = problem.at(shape)
             x = None  # the inputs of one shape are freed before the next is made
             try:
-                x = inputs.make_inputs(at, "default", 0, device)
+                x = inputs.timing_inputs(at, device)
                 out["timing_at"][shape] = bench.time_module(at, module, kernels, x, **timing)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory at a larger shape: that shape's outcome
                 out["timing_at"][shape] = {"error": f"{type(e).__name__}: {e}"[:1000]}

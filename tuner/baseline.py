@@ -126,10 +126,10 @@ def autotune_fla_at(at: str) -> int:
     return len(reset)
 
 
-def problem_label(problem: Problem, packed: bool = False) -> str:
+def problem_label(problem: Problem) -> str:
     """What :func:`autotune_fla_at` keys FLA's choices by: the problem's variant, head dims, dtype and
     shape, and whether its sequences are packed."""
-    return f"{problem.variant} {problem.dk}x{problem.dv} {problem.dtype} {'packed ' if packed else ''}{problem.shape}"
+    return f"{problem.variant} {problem.dk}x{problem.dv} {problem.dtype} {'packed ' if problem.packed else ''}{problem.shape}"
 
 
 def _disk_choices_at(tuner, at: str):
@@ -170,7 +170,7 @@ def fla_call(variant: str) -> tuple[str, str]:
         args.append("beta=beta")
     if op == "chunk_linear_attn":
         args.append("normalize=False")  # FLA normalises by default; the recurrence is unnormalised
-    args += ["scale=scale", "initial_state=initial_state", "output_final_state=True"]
+    args += ["scale=scale", "initial_state=initial_state", "output_final_state=True", "cu_seqlens=cu_seqlens"]
     return op, ", ".join(args)
 
 
@@ -205,7 +205,7 @@ def before_timing(problem):
     autotune_fla_at(problem_label(problem))
 
 
-def forward(kernels, q, k, v, g=None, beta=None, scale=None, initial_state=None):
+def forward(kernels, q, k, v, g=None, beta=None, scale=None, initial_state=None, cu_seqlens=None):
     return _fla_ops().{op}({args})
 '''
 

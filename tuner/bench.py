@@ -180,6 +180,23 @@ def memory_floor_ms(problem: Problem, bandwidth_gbps: float = H200_COPY_GBPS, **
     return floor_bytes(problem, **shape) / (bandwidth_gbps * 1e9) * 1e3
 
 
+def inputs_floor_ms(x: dict, bandwidth_gbps: float = H200_COPY_GBPS) -> float:
+    """The memory-bound floor of a forward on the inputs ``x`` (``tuner.inputs.make_inputs``), counted
+    as :func:`memory_floor_ms` counts (each input read once, o and the final states written once)
+    from the tensors themselves: for packed inputs, whose q and k may have fewer heads than v and
+    whose states are one per sequence. cu_seqlens' few bytes are left out."""
+    def nbytes(t):
+        return 0 if t is None else t.numel() * t.element_size()
+
+    read = sum(nbytes(x.get(name)) for name in ("q", "k", "v", "g", "beta", "initial_state"))
+    # o has v's shape and dtype; the final states are fp32 [N, HV, DK, DV] as the initial ones are.
+    final = x["initial_state"]
+    states = (final.numel() if final is not None
+              else x["v"].shape[0] * x["v"].shape[2] * x["q"].shape[3] * x["v"].shape[3])
+    written = nbytes(x["v"]) + 4 * states
+    return (read + written) / (bandwidth_gbps * 1e9) * 1e3
+
+
 def time_module(problem: Problem, module, kernels: dict, x: dict, **timing) -> dict:
     """A generated module's ``forward`` on the inputs ``x`` (at the problem's shape), timed as the
     tuner records it: ``Timing.as_dict()`` plus ``floor_ms``.
@@ -187,7 +204,7 @@ def time_module(problem: Problem, module, kernels: dict, x: dict, **timing) -> d
     Args:
         problem (Problem): what is timed (for the floor).
         module, kernels: the generated module and its compiled programs (``tuner.compile``).
-        x (dict): ``tuner.inputs.make_inputs`` for the problem.
+        x (dict): ``tuner.inputs.timing_inputs`` for the problem.
         **timing: keyword arguments of :func:`time_forward`.
 
     A module's ``before_timing(problem)``, where it has one, is called first (FLA's baseline module makes
@@ -201,4 +218,4 @@ def time_module(problem: Problem, module, kernels: dict, x: dict, **timing) -> d
         t = time_forward(module.decode_call(kernels, **x), **timing)
         return dict(t.as_dict(), floor_ms=memory_floor_ms(problem, initial_state=True))
     t = time_forward(lambda: module.forward(kernels, **x), **timing)
-    return dict(t.as_dict(), floor_ms=memory_floor_ms(problem))
+    return dict(t.as_dict(), floor_ms=inputs_floor_ms(x) if problem.packed else memory_floor_ms(problem))

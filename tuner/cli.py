@@ -263,9 +263,12 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    problem = problem_from(args)
-    from . import console, search
+    from . import console, search, space
     from .paths import written_db
+
+    problem = problem_from(args)
+    # --fix packed=true: kernels of packed sequences, timed on packed inputs.
+    problem = search.packed_problem(problem, space.load(problem.variant).fix(dict(args.fix)))[0]
 
     args.db = written_db(args.db)
     if args.gpus is not None:

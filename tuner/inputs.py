@@ -22,7 +22,7 @@ from . import variants
 from .errors import UserError
 from .problem import Problem
 
-__all__ = ["REGIMES", "check_layout", "make_inputs", "regimes_for"]
+__all__ = ["REGIMES", "check_layout", "make_inputs", "regimes_for", "timing_inputs"]
 
 REGIMES: dict[str, str] = {
     "default": "decays drawn uniformly in [0.9, 0.999] (per head, token or channel)",
@@ -148,6 +148,13 @@ def make_inputs(problem: Problem, regime: str = "default", seed: int = 0, device
         bounds = torch.tensor([0, *lengths]).cumsum(0)
         out["cu_seqlens"] = place(bounds, torch.int32 if seed % 2 else torch.int64)
     return out
+
+
+def timing_inputs(problem: Problem, device) -> dict:
+    """The inputs a kernel of ``problem`` is timed on: the ``default`` regime at its shape, or for a
+    packed problem the ``packed`` regime's mix of lengths (``seqlen`` tokens in all, ``heads`` value
+    heads), both at seed 0, so every timing of the problem sees the same inputs."""
+    return make_inputs(problem, "packed" if problem.packed else "default", 0, device)
 
 
 def packed_lengths(total: int, gen: torch.Generator) -> list[int]:

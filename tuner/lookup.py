@@ -9,6 +9,10 @@ writes by default in the per-user data folder, :func:`tuner.paths.user_db`). Fal
 - ``same_arch``: another GPU model of the same architecture, nearest bucket;
 - ``default``: the template's default config from the variant's search space.
 
+A packed call (``packed=``: packed sequences or grouped value heads) takes only configs of kernels
+that take them, those timed on packed inputs (``Problem.packed``) first at a bucket; a dense call
+never takes a winner timed on packed inputs.
+
 A winner tuned with another TileLang or CUDA version, or whose kernel the template no longer
 renders (another digest), is stale: it is passed over, reported with ``warnings.warn`` and
 listed in :attr:`Lookup.skipped`, never used silently.
@@ -17,8 +21,9 @@ The backend (``backend=``, else ``$LINATTN_BACKEND``, else ``auto``; :mod:`tuner
 ``auto``, the answer is FLA (source ``fla``) when FLA is installed and the stored FLA baseline the
 winner is compared with passed the gate and is faster than it beyond the noise (``tuner.bench``'s
 rule, by which ``tune regress`` judges; within the noise the tuner's kernel runs). That baseline was
-measured on the winner's GPU model at the winner's shape bucket, like with like (FLA autotuned at
-that shape first, then the installed FLA version, then this driver, then the newest measurement; a
+measured on the winner's GPU model at the winner's shape bucket, like with like (FLA timed on the
+call's kind of inputs, packed or dense, first, then FLA autotuned at that shape, then the installed FLA
+version, then this driver, then the newest measurement; a
 newer measurement that failed the gate rules FLA out). Without a winner (none stored, or all stale), FLA is the answer when a baseline of this GPU
 model (else of its architecture) passed the gate: the template's default was never timed, FLA was.
 ``fla`` forces FLA, ``tuner`` the tuner's kernel. The decode kernels have no FLA baseline: their
@@ -153,13 +158,16 @@ def _lookup(problem: Problem, env: Stack, files: tuple, backend: str, fla_versio
             packed: bool = False) -> Lookup:
     # The user's database first: on ties it wins over the shipped one.
     read = [(path, *_read(path, problem)) for path, state in files if state[0] is not None]
-    rows = [(w, path) for path, winners, _ in read for w in winners if not packed or w.config.get("packed") is True]
+    # A packed call needs a config of kernels that take packed sequences; a winner timed on packed inputs
+    # is no answer to a dense call (its time is of other work).
+    rows = [(w, path) for path, winners, _ in read for w in winners
+            if (w.config.get("packed") is True if packed else not w.problem.packed)]
     baselines = [b for _, _, found in read for b in found]
     want = shape_bucket(problem.batch, problem.seqlen, problem.heads)
     found = _tuners_config(problem, env, want, files, rows, packed)
     if not baseline.has_baseline(problem.variant):
         return found
-    compared = _compared_baseline(found.row, env, want, baselines, fla_version)
+    compared = _compared_baseline(found.row, env, want, baselines, fla_version, packed)
     fla = backend == "fla" or (backend == "auto" and fla_version is not None and compared is not None
                                and compared.timed and (found.row is None or _beats(compared, found.row)))
     return replace(found, source="fla" if fla else found.source, baseline=compared)
@@ -190,9 +198,10 @@ def _tuners_config(problem: Problem, env: Stack, want: ShapeBucket, files: tuple
     exact = [x for x in same_gpu if x[0].bucket == want]
     order = {path: i for i, (path, _) in enumerate(files)}
 
-    def rank(x):  # nearest bucket, then this driver, then the user's database, then fastest
+    def rank(x):  # nearest bucket, timed on the call's kind of inputs, this driver, the user's database, fastest
         w, path = x
-        return (w.bucket.distance(want), w.stack.driver != env.driver, order[path], w.median_ms)
+        return (w.bucket.distance(want), w.problem.packed != packed, w.stack.driver != env.driver, order[path],
+                w.median_ms)
 
     for source, group in (("exact", exact), ("nearest_bucket", same_gpu), ("same_arch", same_arch)):
         if group:
@@ -203,9 +212,10 @@ def _tuners_config(problem: Problem, env: Stack, want: ShapeBucket, files: tuple
 
 
 def _compared_baseline(row: Winner | None, env: Stack, want: ShapeBucket, baselines: list[Baseline],
-                       fla_version: str | None) -> Baseline | None:
+                       fla_version: str | None, packed: bool = False) -> Baseline | None:
     """The FLA measurement to compare the winner ``row`` with (module docstring); without a winner,
-    the one nearest the bucket ``want`` on this GPU model, else on its architecture."""
+    the one nearest the bucket ``want`` on this GPU model, else on its architecture. FLA timed on the
+    call's kind of inputs (``packed`` or dense) comes first; the other kind only where there is none."""
     if row is not None:
         groups = [[b for b in baselines if b.stack.gpu == row.stack.gpu and b.bucket == row.bucket]]
     else:
@@ -213,9 +223,10 @@ def _compared_baseline(row: Winner | None, env: Stack, want: ShapeBucket, baseli
                   [b for b in baselines if b.stack.arch == env.arch != NONE]]
     group = next((g for g in groups if g), [])
 
-    def rank(b: Baseline):  # nearest bucket, FLA autotuned there, the installed FLA, this driver, the newest
-        return (-b.bucket.distance(want), b.autotuned_at_shape, b.fla_version == fla_version,
-                b.stack.driver == env.driver, b.measured_at)
+    def rank(b: Baseline):  # the call's kind of inputs, nearest bucket, FLA autotuned there, the installed FLA,
+        # this driver, the newest
+        return (b.problem.packed == packed, -b.bucket.distance(want), b.autotuned_at_shape,
+                b.fla_version == fla_version, b.stack.driver == env.driver, b.measured_at)
 
     return max(group, key=rank, default=None)
 

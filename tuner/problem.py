@@ -11,7 +11,15 @@ DTYPES = ("fp16", "bf16")
 
 @dataclass(frozen=True)
 class Problem:
-    """One tuning problem. ``batch``/``seqlen``/``heads`` are the shape kernels are timed at."""
+    """One tuning problem. ``batch``/``seqlen``/``heads`` are the shape kernels are timed at.
+
+    ``packed``: the calls are packed sequences (``cu_seqlens``) and grouped value heads, so kernels
+    that take them are timed on such inputs, the correctness gate's ``packed`` mix of lengths at a
+    fixed seed (``tuner.inputs.timing_inputs``): ``seqlen`` tokens in all, ``heads`` value heads (q
+    and k with half as many where the variant groups heads), one initial state per sequence. A
+    packed problem's time is not a dense one's (its sequences give far more parallel work), so each
+    is compared only with its own kind.
+    """
 
     variant: str
     dk: int
@@ -20,6 +28,7 @@ class Problem:
     batch: int = 4
     seqlen: int = 8192
     heads: int = 16
+    packed: bool = False
 
     def __post_init__(self):
         v = variants.get(self.variant)
@@ -49,6 +58,11 @@ class Problem:
     def shape(self) -> str:
         """The shape timed, as ``BxTxH``."""
         return f"{self.batch}x{self.seqlen}x{self.heads}"
+
+    @property
+    def label(self) -> str:
+        """The shape, and whether its sequences are packed: ``1x32768x32 packed``."""
+        return f"{self.shape} packed" if self.packed else self.shape
 
     def at(self, shape: str) -> "Problem":
         """The same kernel problem timed at ``shape`` (``BxTxH``)."""

@@ -284,15 +284,16 @@ def remeasure(store: Store, names: list[str] | None = None, *, device: int = 0) 
     env = stack.current(device)
     selected = _selected(store, names)
     outcomes: dict[int, Outcome] = {}
-    # the kernel as it renders today -> its candidate (at the first winner's shape) and its winners
+    # (the kernel as it renders today, packed) -> its candidate (at the first winner's shape) and its winners
     kernels: dict[str, tuple[Candidate, list[Winner]]] = {}
     for w in selected:
         if w.stack.gpu != env.gpu:
             outcomes[w.id] = Outcome(w, None, f"tuned on {w.stack.gpu}, not timed on {env.gpu}")
             continue
         candidate = Candidate.from_config(w.problem, w.config)
-        kernels.setdefault(candidate.digest, (candidate, []))[1].append(w)
-    for digest, (candidate, group) in kernels.items():
+        # Packed and dense problems are timed on different inputs: one gate child each.
+        kernels.setdefault((candidate.digest, w.problem.packed), (candidate, []))[1].append(w)
+    for (digest, _), (candidate, group) in kernels.items():
         first = group[0]
         also_at = tuple(dict.fromkeys(w.problem.shape for w in group if w.problem.shape != first.problem.shape))
         result = gate.gate_and_time(candidate, also_at=also_at, timeout_s=limits.GATE_S, device=device)

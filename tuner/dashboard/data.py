@@ -110,8 +110,9 @@ def load_vs_fla(path: Path) -> list[dict] | None:
 
 
 def problem_of_row(row: dict) -> Problem:
-    """The problem a ``vs_fla.json`` row was measured on."""
-    return Problem(**{f: row[f] for f in PROBLEM_FIELDS})
+    """The problem a ``vs_fla.json`` row was measured on (a packed row's, N sequences in one row of T
+    tokens, is packed)."""
+    return Problem(**{f: row[f] for f in PROBLEM_FIELDS}, packed="sequences" in row)
 
 
 @dataclass
@@ -126,12 +127,12 @@ class ProblemView:
     @property
     def page(self) -> str:
         p = self.problem
-        return f"{p.variant}-k{p.dk}-v{p.dv}-{p.dtype}-b{p.batch}-t{p.seqlen}-h{p.heads}.html"
+        return f"{p.variant}-k{p.dk}-v{p.dv}-{p.dtype}-b{p.batch}-t{p.seqlen}-h{p.heads}{'-packed' if p.packed else ''}.html"
 
     @property
     def title(self) -> str:
         p = self.problem
-        return f"{p.variant} k{p.dk} v{p.dv} {p.dtype} · B{p.batch} T{p.seqlen} H{p.heads}"
+        return f"{p.variant} k{p.dk} v{p.dv} {p.dtype} · B{p.batch} T{p.seqlen} H{p.heads}{' packed' if p.packed else ''}"
 
     @property
     def latest(self) -> list[Verdict]:
@@ -176,4 +177,4 @@ def collect(store: Store) -> list[ProblemView]:
     order = list(variants.VARIANTS)
     return sorted(views.values(), key=lambda v: (order.index(v.problem.variant), v.problem.dk, v.problem.dv,
                                                  v.problem.dtype, v.problem.batch * v.problem.heads,
-                                                 v.problem.seqlen, v.problem.batch))
+                                                 v.problem.seqlen, v.problem.batch, v.problem.packed))

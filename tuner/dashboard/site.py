@@ -50,8 +50,7 @@ def render(template: str, *, title: str, generated: datetime, home: bool = False
 def fla_comparison(rows: list[dict] | None, problem: Problem | None = None) -> dict:
     """The ``vs_fla.json`` rows to show (those of ``problem`` when given) and their chart."""
     if rows is not None and problem is not None:
-        # A packed row (N sequences in one row of T tokens) is not the dense problem of its B, T, H.
-        rows = [r for r in rows if "sequences" not in r and problem_of_row(r) == problem]
+        rows = [r for r in rows if problem_of_row(r) == problem]
     return {"rows": rows or [], "chart": charts.fla_chart(rows) if rows else None}
 
 

@@ -31,6 +31,8 @@ whose process was lost or that was given back at a deadline.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import paths, space as spaces, stack
 from ..errors import UserError
 from ..gate import gate_and_time
@@ -44,7 +46,7 @@ from .runner import Observer, Runner, Study
 from .strategy import open_study, study_name
 
 __all__ = ["DEFAULT_TRIALS", "Observer", "TuneSummary", "best", "companion_problems", "compile_for_gate",
-           "judged_count", "open_studies", "record_baselines", "study_name", "summarise", "time_missing_baselines",
+           "judged_count", "open_studies", "packed_problem", "record_baselines", "study_name", "summarise", "time_missing_baselines",
            "tune"]
 
 DEFAULT_TRIALS = 40
@@ -90,6 +92,7 @@ def tune(problem: Problem, *, trials: int | None = None, timeout: float | None =
         if value is not None and value < 1:
             raise UserError(f"--{label} must be a positive number, got {value}")
     space = spaces.load(problem.variant).fix(fixed or {})  # bad input fails before the database is touched
+    problem, space = packed_problem(problem, space)
     companions = companion_problems(problem, also_at)
     store = Store(storage or paths.written_db(db))  # then a database that cannot be used fails before any work
     if gate is None and stack.has_gpu():
@@ -120,6 +123,18 @@ def open_studies(problem: Problem, store: Store, space: Space, also_at: tuple[st
     return name, [(p, open_study(p, here, store, space)[0].name) for p in companion_problems(problem, also_at)]
 
 
+def packed_problem(problem: Problem, space: Space) -> tuple[Problem, Space]:
+    """``problem`` and the search ``space`` (its fixed parameters held), each stating ``packed`` where
+    either does: kernels that take packed sequences are timed on packed inputs (``Problem.packed``),
+    and a packed problem is tuned with such kernels."""
+    if not (problem.packed or dict(space.fixed).get("packed") is True):
+        return problem, space
+    if problem.batch != 1:
+        raise UserError(f"a packed problem is timed as one row of packed sequences, 1 x total tokens x value heads "
+                        f"(--batch 1 --seqlen T --heads HV); got {problem.shape}")
+    return replace(problem, packed=True), space.fix({"packed": True})
+
+
 def companion_problems(problem: Problem, shapes) -> list[Problem]:
     """``problem`` at each of ``shapes`` (``BxTxH``): the companion studies' problems. A shape given
     twice, or the problem's own, is a UserError."""
@@ -127,6 +142,8 @@ def companion_problems(problem: Problem, shapes) -> list[Problem]:
     seen = [problem.shape, *(p.shape for p in companions)]
     if len(set(seen)) != len(seen):
         raise UserError(f"--also-at {' '.join(shapes)}: each shape once, other than the tuned {problem.shape}")
+    if problem.packed and any(p.batch != 1 for p in companions):
+        raise UserError(f"--also-at {' '.join(shapes)}: a packed problem's shapes are 1 x total tokens x value heads")
     return companions
 
 

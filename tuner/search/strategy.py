@@ -28,10 +28,12 @@ from ..store import Store, TrialRecord
 
 def study_name(problem: Problem, stack: Stack, space: Space | None = None) -> str:
     """The study of ``problem`` on this stack: a different GPU or toolchain is another study, and so
-    is a search with parameters held fixed (``space.fixed``)."""
+    is a search with parameters held fixed (``space.fixed``), and a packed problem (timed on packed
+    inputs) is not a dense one."""
     p = problem
     fixed = "".join(f"+{name}={value}" for name, value in (space.fixed if space else ()))
-    return f"{p.variant}-k{p.dk}-v{p.dv}-{p.dtype}-b{p.batch}-t{p.seqlen}-h{p.heads}{fixed}@{stack.key()}"
+    packed = "-packed" if p.packed else ""
+    return f"{p.variant}-k{p.dk}-v{p.dv}-{p.dtype}-b{p.batch}-t{p.seqlen}-h{p.heads}{packed}{fixed}@{stack.key()}"
 
 
 def worker_id() -> str:

@@ -296,12 +296,8 @@ class Store:
         """Recorded trials, of one study or all, of one kernel (digest) or all, in recording order."""
         if not self._has(TrialModel):
             return []
-        query = sa.select(TrialModel).order_by(TrialModel.id)
-        if study is not None:
-            query = query.where(TrialModel.study == study)
-        if digest is not None:
-            query = query.where(TrialModel.digest == digest)
-        return self.run(lambda s: [record_of(TrialRecord, r) for r in s.scalars(query)])
+        where = {k: v for k, v in (("study", study), ("digest", digest)) if v is not None}
+        return [record_of(TrialRecord, r) for r in self.run(self._rows(TrialModel, where=where, order_by=(TrialModel.id,)))]
 
     # ---- claims
 
@@ -360,8 +356,7 @@ class Store:
         """Stored winners whose columns equal ``where`` (e.g. ``variant="gdn", dk=128``)."""
         if not self._has(WinnerModel):
             return []
-        query = sa.select(WinnerModel).filter_by(**where).order_by(WinnerModel.id)
-        return self.run(lambda s: [record_of(Winner, r) for r in s.scalars(query)])
+        return [record_of(Winner, r) for r in self.run(self._rows(WinnerModel, where=where, order_by=(WinnerModel.id,)))]
 
     # ---- history
 

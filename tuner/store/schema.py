@@ -30,6 +30,8 @@ class _ProblemColumns:
     batch: Mapped[int]
     seqlen: Mapped[int]
     heads: Mapped[int]
+    # Added after the first databases were written: their rows are dense problems.
+    packed: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
 
 
 class _StackColumns:
@@ -41,7 +43,7 @@ class _StackColumns:
     torch: Mapped[str] = mapped_column(sa.String(64))
 
 
-PROBLEM_COLUMNS = ("variant", "dk", "dv", "dtype", "batch", "seqlen", "heads")
+PROBLEM_COLUMNS = ("variant", "dk", "dv", "dtype", "batch", "seqlen", "heads", "packed")
 STACK_COLUMNS = ("gpu", "arch", "tilelang", "cuda", "driver", "torch")
 
 

@@ -16,14 +16,15 @@ DISPATCH_DISABLED = os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1"
 calls = []
 
 
-def _oracle(op, variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False):
+def _oracle(op, variant, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+            cu_seqlens=None):
     calls.append(op)
     log = os.environ.get("FLA_STANDIN_LOG")
     if log:
         with open(log, "a") as f:
             f.write(json.dumps({"op": op, "dispatch_disabled": DISPATCH_DISABLED}) + "\n")
     o, state = reference.recurrent(variant, q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                   output_final_state=True)
+                                   output_final_state=True, cu_seqlens=cu_seqlens)
     o = o.to(q.dtype)
     if os.environ.get("FLA_STANDIN_WRONG") == "1":
         o = o * 1.05
@@ -40,7 +41,7 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
                       cu_seqlens=None):
     kv_init, z_init = initial_state if normalize and isinstance(initial_state, tuple) else (initial_state, None)
     o, state = _oracle("chunk_linear_attn", "linear", q, k, v, scale=scale, initial_state=kv_init,
-                       output_final_state=output_final_state)
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if not normalize:
         return o, state
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -51,31 +52,31 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
 
 def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs):
     return _oracle("chunk_retention", "decay", q, k, v, g=retention_log_decay(q.shape[2], q.device), scale=scale,
-                   initial_state=initial_state, output_final_state=output_final_state)
+                   initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
                      state_v_first=False, cu_seqlens=None, **kwargs):
     variant, gate = ("simple_gla", g) if g is not None else ("decay", g_gamma) if g_gamma is not None else ("linear", None)
     return _oracle("chunk_simple_gla", variant, q, k, v, g=gate, scale=scale, initial_state=initial_state,
-                   output_final_state=output_final_state)
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
               cu_seqlens=None):
     return _oracle("chunk_gla", "gla", q, k, v, g=g, scale=scale, initial_state=initial_state,
-                   output_final_state=output_final_state)
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, **kwargs):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
     return _oracle("chunk_gated_delta_rule", "gdn", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                   output_final_state=output_final_state)
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, **kwargs):
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
     q, k = _l2norm(q, k, use_qk_l2norm_in_kernel)
     return _oracle("chunk_kda", "kda", q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                   output_final_state=output_final_state)
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
