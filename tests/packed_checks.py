@@ -46,6 +46,10 @@ CONFIGS = {
         "roles-prepared-scores": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
                                   "num_stages": 2, "fast_math": True, "prepare_loads": "async",
                                   "o_store": "store_warp", "output_scores": "prepare"},
+        # A sequence's last, partial chunk loaded by TMA as a whole box, the next sequence's rows masked.
+        "roles-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                             "gc_loads": "once", "fast_math": True, "prepare_loads": "async",
+                             "o_store": "store_warp", "tail_loads": "whole_chunks"},
     },
     "kda": {
         "default": PACKED,
@@ -69,6 +73,10 @@ CONFIGS = {
                            "block_dk": 64, "gate_scan": "per_channel", "solve": "column", "o_store": "store_warp",
                            "segments": 4},
         "segments": {**PACKED, "segments": 2},
+        "roles-whole-tail": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                             "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
+                             "block_dk": 64, "gate_scan": "per_channel", "solve": "column", "o_store": "store_warp",
+                             "tail_loads": "whole_chunks"},
     },
 }
 VARIANTS = list(CONFIGS)

@@ -70,7 +70,8 @@ def tolerance(variant):
                                ("kda", 64, "roles-rows-once"), ("kda", 128, "caller-default"),
                                ("gdn", 64, "roles-segments"), ("gdn", 128, "segments"),
                                ("kda", 64, "roles-segments"), ("kda", 128, "segments"),
-                               ("gdn", 128, "roles-prepared-scores")]])
+                               ("gdn", 128, "roles-prepared-scores"), ("gdn", 128, "roles-whole-tail"),
+                               ("gdn", 64, "roles-whole-tail"), ("kda", 64, "roles-whole-tail")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
@@ -249,7 +250,7 @@ def compiled():
 @pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all", "roles",
                                                    "roles-store-warp", "roles-rows-once", "roles-async-gates",
                                                    "caller-default", "roles-segments", "segments",
-                                                   "roles-prepared-scores"))
+                                                   "roles-prepared-scores", "roles-whole-tail"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,
@@ -272,6 +273,28 @@ def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(comp
         o_n, ht_n = dense_module.forward(dense_kernels, **alone, initial_state=x["initial_state"][n:n + 1])
         assert rel_l2(o[:, start:end], o_n) < 1e-3, (n, end - start)
         assert rel_l2(ht[n:n + 1], ht_n) < 1e-3, (n, end - start)
+
+
+@cuda
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_whole_chunk_tail_never_lets_the_next_sequence_reach_this_one(compiled, variant):
+    """tail_loads=whole_chunks reads the rows past a sequence's end from the next sequence: with that
+    sequence all NaN, every other sequence's output and final state are finite and as they were."""
+    lengths = (65, 200, 15, 64)  # the first ends one row into a chunk, the third inside one
+    x = delta_inputs(variant, lengths, 2, 4, device="cuda")
+    cu_seqlens = bounds_of(lengths, torch.int64, "cuda")
+    module, kernels = compiled[variant](**CONFIGS[variant]["roles-whole-tail"])
+    o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
+    poisoned = dict(x)
+    for name in ("q", "k", "v", "g", "beta"):
+        poisoned[name] = x[name].clone()
+        poisoned[name][:, 65:265] = float("nan")  # the second sequence
+    o_p, ht_p = module.forward(kernels, **poisoned, cu_seqlens=cu_seqlens)
+    keep = torch.ones(o.shape[1], dtype=torch.bool, device="cuda")
+    keep[65:265] = False
+    assert torch.equal(o_p[:, keep], o[:, keep]) and torch.isfinite(o_p[:, keep]).all()
+    for n in (0, 2, 3):
+        assert torch.equal(ht_p[n], ht[n])
 
 
 @cuda
