@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .activations import activated, check_activations, l2normalised
-from .errors import UserError
+from .errors import UserError, refuse_stated
 from .inputs import retention_log_decay
 from .lookup import best_config
 from .problem import Problem
@@ -235,12 +235,6 @@ def plan(variant: str, q, k, v, g=None, beta=None, scale=None, initial_state=Non
                 token_states=per_token)
 
 
-def _refuse(**options):
-    for name, value in options.items():
-        if value is not None and value is not False:
-            raise DecodeInputError(f"{name} is not supported by the decode ops")
-
-
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -271,7 +265,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     Returns:
         o [B, T, HV, V] and the final state (the pool itself in the pool form), or None.
     """
-    _refuse(gk=gk, gv=gv)
+    refuse_stated(DecodeInputError, "the decode ops", gk=gk, gv=gv)
     check_activations("gdn", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                       error=DecodeInputError)
     if use_gate_in_kernel and g is None:
@@ -307,7 +301,7 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
                                ssm_state_indices=None, out=None):
     """Scalar-gated linear attention token by token, FLA's ``fused_recurrent_simple_gla`` (g [B, T, H] per
     token, or g_gamma [H] per head, or neither), plus the pool form."""
-    _refuse(reverse=reverse)
+    refuse_stated(DecodeInputError, "the decode ops", reverse=reverse)
     if g is not None and g_gamma is not None:
         raise DecodeInputError("give only one of g and g_gamma")
     variant, gate = ("simple_gla", g) if g is not None else ("decay", g_gamma) if g_gamma is not None else ("linear", None)
@@ -319,7 +313,7 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
                         reverse=False, state_v_first=False, cu_seqlens=None, ssm_state_indices=None, out=None):
     """Gated linear attention (per-channel gate gk [B, T, H, K]) token by token, FLA's
     ``fused_recurrent_gla``, plus the pool form."""
-    _refuse(gv=gv, reverse=reverse)
+    refuse_stated(DecodeInputError, "the decode ops", gv=gv, reverse=reverse)
     if gk is None:
         raise DecodeInputError("fused_recurrent_gla needs gk [B, T, H, K] (gv alone is not supported)")
     return run("gla", q, k, v, gk, None, scale, initial_state, output_final_state, cu_seqlens,
@@ -335,7 +329,7 @@ def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_fi
                               state_v_first=False, cu_seqlens=None, ssm_state_indices=None, out=None):
     """Retention (RetNet's per-head decay log(1 - 2^(-5 - h))) token by token, FLA's
     ``fused_recurrent_retention``, plus the pool form."""
-    _refuse(reverse=reverse)
+    refuse_stated(DecodeInputError, "the decode ops", reverse=reverse)
     return run("decay", q, k, v, _retention_decay(q.shape[2], q.device), None, scale, initial_state,
                output_final_state, cu_seqlens, ssm_state_indices, state_v_first, out)
 
@@ -344,7 +338,7 @@ def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_
                                 normalize=False, cu_seqlens=None, ssm_state_indices=None, out=None):
     """Linear attention token by token, FLA's ``fused_recurrent_linear_attn`` (without ``normalize``),
     plus the pool form."""
-    _refuse(reverse=reverse, normalize=normalize)
+    refuse_stated(DecodeInputError, "the decode ops", reverse=reverse, normalize=normalize)
     return run("linear", q, k, v, None, None, scale, initial_state, output_final_state, cu_seqlens,
                ssm_state_indices, False, out)
 

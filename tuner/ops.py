@@ -33,7 +33,7 @@ import torch
 
 from . import baseline
 from .activations import activated, check_activations, l2normalised
-from .errors import UserError
+from .errors import UserError, refuse_stated, stated
 from .inputs import check_layout, retention_log_decay
 from .lookup import best_config
 from .problem import Problem
@@ -150,16 +150,6 @@ def _run(problem: Problem, config: tuple, q, k, v, g=None, beta=None, scale=None
     return o, (final_state if output_final_state else None)
 
 
-def _stated(options: dict) -> dict:
-    """The options that differ from FLA's defaults (None and False), to pass on to FLA's op."""
-    return {name: value for name, value in options.items() if value is not None and value is not False}
-
-
-def _unsupported(**options):
-    for name in _stated(options):
-        raise InputError(f"{name} is not supported by tuner.ops (forward kernels for equal-length batches)")
-
-
 def _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm_qk,
                 **sequences):
     q, k = l2normalised(q, k, l2norm_qk)  # done here in torch: the kernels take normalised q, k
@@ -255,7 +245,7 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
     Returns:
         o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
-    _unsupported(state_v_first=state_v_first)
+    refuse_stated(InputError, "tuner.ops", state_v_first=state_v_first)
     _check_sequences(q, initial_state, cu_seqlens)
     if g is not None and g_gamma is not None:
         raise InputError("give only one of g and g_gamma")
@@ -286,7 +276,7 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     Returns:
         o [B, T, H, V], final state [N, H, K, V] fp32 or None.
     """
-    _unsupported(state_v_first=state_v_first)
+    refuse_stated(InputError, "tuner.ops", state_v_first=state_v_first)
     _check_sequences(q, initial_state, cu_seqlens)
     problem, fla, config = _route("gla", q, k, v, g, initial_state=initial_state, backend=backend,
                                   cu_seqlens=cu_seqlens)
@@ -330,7 +320,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Returns:
         o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
-    _unsupported(state_v_first=state_v_first)
+    refuse_stated(InputError, "tuner.ops", state_v_first=state_v_first)
     check_activations("gdn", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval, error=InputError)
     _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
     problem, fla, config = _route("gdn", q, k, v, g, beta, initial_state, backend, cu_seqlens)
@@ -341,7 +331,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                                           output_final_state=output_final_state,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                                           cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-                                          **_stated(activations))
+                                          **stated(activations))
     g, beta = activated(g, beta, **activations)
     return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
@@ -380,7 +370,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Returns:
         o [B, T, HV, V], final state [N, HV, K, V] fp32 or None.
     """
-    _unsupported(state_v_first=state_v_first)
+    refuse_stated(InputError, "tuner.ops", state_v_first=state_v_first)
     check_activations("kda", use_gate_in_kernel, A_log, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                       lower_bound, error=InputError)
     _check_sequences(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices)
@@ -391,7 +381,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         return fla.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                              cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                             **_stated(dict(activations, safe_gate=safe_gate)))
+                             **stated(dict(activations, safe_gate=safe_gate)))
     g, beta = activated(g, beta, **activations)
     return _delta_rule(problem, config, q, k, v, g, beta, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)

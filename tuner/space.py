@@ -80,9 +80,27 @@ class Space:
     fixed: tuple[tuple[str, Any], ...] = ()
 
     def active(self, name: str, config: dict) -> bool:
-        """Whether parameter ``name`` applies given the other values in ``config``."""
+        """Whether parameter ``name`` applies given the other values in ``config``. A caller's parameter
+        that ``config`` leaves out is at its default (:meth:`normalise` leaves it out there)."""
         p = self.params[name]
-        return p.when is None or bool(_eval(p.when, config, None))
+        if p.when is None:
+            return True
+        absent = self._absent_callers.get(name)
+        return bool(_eval(p.when, {**absent, **config} if absent else config, None))
+
+    @functools.cached_property
+    def _absent_callers(self) -> dict[str, dict]:
+        """Per parameter whose condition reads a caller's parameter: those parameters at their defaults,
+        the values a config that leaves them out holds."""
+        import ast
+
+        callers = {n: p.default for n, p in self.params.items() if p.caller_values}
+        out = {}
+        for name, p in self.params.items():
+            read = {node.id for node in ast.walk(ast.parse(p.when, mode="eval")) if isinstance(node, ast.Name)} if p.when else set()
+            if read & set(callers):
+                out[name] = {n: callers[n] for n in read & set(callers)}
+        return out
 
     def default(self, problem: Problem, caller: dict | None = None) -> dict:
         """The template's default config, restricted to the parameters that apply. ``caller``: caller
