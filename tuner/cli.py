@@ -263,12 +263,9 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from . import console, search, space
-    from .paths import written_db
-
     problem = problem_from(args)
-    # --fix packed=true: kernels of packed sequences, timed on packed inputs.
-    problem = search.packed_problem(problem, space.load(problem.variant).fix(dict(args.fix)))[0]
+    from . import console, search
+    from .paths import written_db
 
     args.db = written_db(args.db)
     if args.gpus is not None:
@@ -300,7 +297,8 @@ def tune_on_gpus(problem, args, devices: list[int]) -> int:
     from .search import workers
     from .store import Store
 
-    held = space.load(problem.variant).fix(dict(args.fix))
+    # --fix packed=true: kernels of packed sequences, timed on packed inputs (search.tune does the same).
+    problem, held = search.packed_problem(problem, space.load(problem.variant).fix(dict(args.fix)))
     store = Store(args.storage or args.db)
     if threading.current_thread() is threading.main_thread():
         # Started as a background job, the process inherits SIGINT ignored: take it back, so that

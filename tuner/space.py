@@ -18,6 +18,7 @@ shared memory), which the caller supplies: this module knows the space, not the 
 """
 from __future__ import annotations
 
+import ast
 import functools
 import itertools
 from collections.abc import Callable, Mapping
@@ -92,14 +93,12 @@ class Space:
     def _absent_callers(self) -> dict[str, dict]:
         """Per parameter whose condition reads a caller's parameter: those parameters at their defaults,
         the values a config that leaves them out holds."""
-        import ast
-
         callers = {n: p.default for n, p in self.params.items() if p.caller_values}
         out = {}
         for name, p in self.params.items():
-            read = {node.id for node in ast.walk(ast.parse(p.when, mode="eval")) if isinstance(node, ast.Name)} if p.when else set()
-            if read & set(callers):
-                out[name] = {n: callers[n] for n in read & set(callers)}
+            read = _names_read(p.when) & set(callers)
+            if read:
+                out[name] = {n: callers[n] for n in read}
         return out
 
     def default(self, problem: Problem, caller: dict | None = None) -> dict:
@@ -255,11 +254,8 @@ class Space:
         A parameter that does not apply given the ones declared before it, and whose value no
         condition or inheritance reads, takes only its first value: the others normalise to the
         same configs later in the product, so the grid and its order are unchanged."""
-        import ast
-
         names = list(self.params)
-        reads = {n: {node.id for node in ast.walk(ast.parse(p.when, mode="eval")) if isinstance(node, ast.Name)}
-                 if p.when else set() for n, p in self.params.items()}
+        reads = {n: _names_read(p.when) for n, p in self.params.items()}
         read_by_others = set().union(*reads.values()) | {p.inherit for p in self.params.values() if p.inherit}
         # Whether a parameter's condition can be settled by the ones before it, and no one reads it.
         skippable = [name not in read_by_others and reads[name] <= set(names[:index])
@@ -311,6 +307,13 @@ class _ConstraintScope(dict):
             self.update(self._measures())
             return self[key]
         raise KeyError(key)
+
+
+def _names_read(expr: str | None) -> set[str]:
+    """The names a condition reads (none without one)."""
+    if not expr:
+        return set()
+    return {node.id for node in ast.walk(ast.parse(expr, mode="eval")) if isinstance(node, ast.Name)}
 
 
 def _eval(expr: str, config: dict, env: dict | None):

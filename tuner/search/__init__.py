@@ -46,8 +46,8 @@ from .runner import Observer, Runner, Study
 from .strategy import open_study, study_name
 
 __all__ = ["DEFAULT_TRIALS", "Observer", "TuneSummary", "best", "companion_problems", "compile_for_gate",
-           "judged_count", "open_studies", "packed_problem", "record_baselines", "study_name", "summarise", "time_missing_baselines",
-           "tune"]
+           "judged_count", "open_studies", "packed_problem", "record_baselines", "study_name", "summarise",
+           "time_missing_baselines", "tune"]
 
 DEFAULT_TRIALS = 40
 
