@@ -11,11 +11,13 @@ kernels of the same split and against the fp64 oracle.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from packed_checks import (Launched, bounds_of, counted_index, module_of, refuse_host_reads, rel_l2,
                            token_accesses)
-from template_checks import assert_compiles_as_modelled, cuda, rendered_config
+from template_checks import assert_compiles_as_modelled, assert_compiles_clean, cuda, rendered_config
 
 from tuner import reference, space
 from tuner.inputs import make_inputs
@@ -36,14 +38,22 @@ GLA_FAST = {"diagonal_blocks": "products", "row_factors": "once", "block_dk": 64
             "gate_scan": "per_channel", "num_stages": 1, "prepare_loads": "async"}
 # What a packed gla call runs without a stored packed winner (its parameter's caller_default).
 GLA_CALLER_DEFAULT = space.load("gla").default(Problem("gla", 64, 64), {"packed": True})
+# The chunked split's state kernel loading every chunk of k and v as a whole box; simple_gla's also with the
+# row weights form and one stage, linear's also unpipelined and unspecialised.
+WHOLE = {"tail_loads": "whole_chunks"}
+WHOLE_CONFIGS = [(v, WHOLE) for v in ("linear", "decay", "simple_gla")] + [
+    ("simple_gla", {**WHOLE, "qk_in": "rows", "num_stages": 1}),
+    ("linear", {**WHOLE, "warp_specialized": False, "num_stages": 0})]
+WHOLE_IDS = ["linear-whole", "decay-whole", "simple_gla-whole", "simple_gla-whole-rows", "linear-whole-unpipelined"]
 
 
 def packed(variant):
     return {"split": SPLIT[variant], "packed": True}
 
 
-@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST), ("gla", GLA_CALLER_DEFAULT)],
-                         ids=[*VARIANTS, "gla-fast", "gla-caller-default"])
+@pytest.mark.parametrize("variant,overrides",
+                         [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST), ("gla", GLA_CALLER_DEFAULT)] + WHOLE_CONFIGS,
+                         ids=[*VARIANTS, "gla-fast", "gla-caller-default", *WHOLE_IDS])
 def test_packed_kernels_compile_without_spills_and_the_model_knows_their_shared_memory(variant, overrides, tmp_path):
     rendered = rendered_config(variant, 64, **{**packed(variant), **overrides})
     assert_compiles_as_modelled(rendered, KERNELS[SPLIT[variant]], tmp_path)
@@ -57,6 +67,30 @@ def test_every_token_load_and_store_is_masked_at_the_sequence_end(variant):
     assert copied == COPIED[split]
     assert read == READ[variant]
     assert written == dict.fromkeys(WRITTEN[split], "if c * C + i < seqlen:")
+
+
+@pytest.mark.parametrize("variant", ["linear", "decay", "simple_gla"])
+def test_whole_chunk_tails_copy_k_and_v_into_the_state_kernel_and_zero_the_rows_past_the_end(variant, tmp_path):
+    """tail_loads=whole_chunks: the state kernel copies k and v as whole boxes, each zeroed in shared memory
+    past the sequence's end on a partial chunk only, and its chunk loop is pipelined (producer warps issue
+    its TMA loads, as in the dense kernel); the output kernel's loads stay masked element by element."""
+    rendered = rendered_config(variant, 128, **packed(variant), **WHOLE)
+    source = rendered.source
+    state_kernel = source[source.index("def chunk_state"):source.index("def chunk_o")]
+    copied, read, written = token_accesses(source, "chunk_o")
+    assert set(re.findall(r"T\.copy\((\w+)\[bos \+ c \* C:bos \+ \(c \+ 1\) \* C", state_kernel)) == {"K", "V"}
+    assert read == READ[variant] and written == {"O": "if c * C + i < seqlen:"}
+    zeroed = re.findall(r"if \(c \+ 1\) \* C > seqlen:\n.*\n.*\n\s+(\w+)\[i, d\] = T\.if_then_else\(c \* C \+ i < seqlen, \1\[i, d\], 0\)",
+                        state_kernel)
+    assert zeroed == ["K_s", "V_s"]
+    cuda_source = next(k.cuda_source for k in assert_compiles_clean(rendered, KERNELS["chunked"], tmp_path).kernels
+                       if k.name == "chunk_state")
+    # Two TMA loads, issued in the producer warps' branch.
+    assert cuda_source.count("tl::tma_load(") == 2 and "if (((int)threadIdx.x) < 128) {" in cuda_source
+    elements = rendered_config(variant, 128, **packed(variant)).source
+    assert "tl::tma_load(" not in next(k.cuda_source for k in assert_compiles_clean(
+        rendered_config(variant, 128, **packed(variant)), KERNELS["chunked"], tmp_path).kernels if k.name == "chunk_state")
+    assert elements.count("T.if_then_else(c * C + i < seqlen, K[") == 2  # both kernels' k, element by element
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -103,8 +137,9 @@ def test_the_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_states_
 
 
 @cuda
-@pytest.mark.parametrize("variant,overrides", [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST), ("gla", GLA_CALLER_DEFAULT)],
-                         ids=[*VARIANTS, "gla-fast", "gla-caller-default"])
+@pytest.mark.parametrize("variant,overrides",
+                         [(v, {}) for v in VARIANTS] + [("gla", GLA_FAST), ("gla", GLA_CALLER_DEFAULT)] + WHOLE_CONFIGS,
+                         ids=[*VARIANTS, "gla-fast", "gla-caller-default", *WHOLE_IDS])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(variant, overrides):
     from tuner.compile import load_kernels
 
@@ -125,3 +160,37 @@ def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(vari
                                          g=g, scale=x["scale"], initial_state=x["initial_state"][n:n + 1])
         assert rel_l2(o[:, start:end], o_n) < tolerance, (n, end - start)
         assert rel_l2(ht[n:n + 1], ht_n) < tolerance, (n, end - start)
+
+
+@cuda
+@pytest.mark.parametrize("variant,overrides", WHOLE_CONFIGS, ids=WHOLE_IDS)
+def test_a_whole_chunk_tail_never_lets_the_next_sequence_reach_this_one(variant, overrides):
+    """With the sequence after a partial chunk all NaN, every other sequence's output and final state are
+    finite and as they were."""
+    from tuner.compile import load_kernels
+
+    module, kernels = load_kernels(rendered_config(variant, 64, **packed(variant), **overrides))
+    x = packed_inputs(variant, seed=2, device="cuda")
+    bounds = x["cu_seqlens"].tolist()
+    # The first sequence that ends inside a chunk, and the one after it.
+    n = next(n for n, (start, end) in enumerate(zip(bounds, bounds[1:-1])) if (end - start) % 64)
+    start, end = bounds[n + 1], bounds[n + 2]
+
+    def run(q, k, v, g):
+        return module.forward(kernels, q, k, v, g=g, scale=x["scale"], initial_state=x["initial_state"],
+                              cu_seqlens=x["cu_seqlens"])
+
+    o, ht = run(x["q"], x["k"], x["v"], x["g"])
+    poisoned = [t.clone() for t in (x["q"], x["k"], x["v"])]
+    for t in poisoned:
+        t[:, start:end] = float("nan")
+    g = x["g"]
+    if g is not None and g.dim() > 1:  # simple_gla's gate is per token; decay's per head
+        g = g.clone()
+        g[:, start:end] = float("nan")
+    o_p, ht_p = run(*poisoned, g)
+    keep = torch.ones(o.shape[1], dtype=torch.bool, device="cuda")
+    keep[start:end] = False
+    assert torch.equal(o_p[:, keep], o[:, keep]) and torch.isfinite(o_p[:, keep]).all()
+    others = [m for m in range(len(bounds) - 1) if m != n + 1]
+    assert torch.equal(ht_p[others], ht[others])
