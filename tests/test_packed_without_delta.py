@@ -38,13 +38,20 @@ GLA_FAST = {"diagonal_blocks": "products", "row_factors": "once", "block_dk": 64
             "gate_scan": "per_channel", "num_stages": 1, "prepare_loads": "async"}
 # What a packed gla call runs without a stored packed winner (its parameter's caller_default).
 GLA_CALLER_DEFAULT = space.load("gla").default(Problem("gla", 64, 64), {"packed": True})
-# The chunked split's state kernel loading every chunk of k and v as a whole box; simple_gla's also with the
-# row weights form and one stage, linear's also unpipelined and unspecialised.
+# The kernel walking each sequence's chunks loading every chunk as a whole box (gla's with warp specialisation,
+# which whole boxes need where the loop is pipelined); simple_gla's also with the row weights form and one
+# stage, linear's also unpipelined and unspecialised.
 WHOLE = {"tail_loads": "whole_chunks"}
-WHOLE_CONFIGS = [(v, WHOLE) for v in ("linear", "decay", "simple_gla")] + [
-    ("simple_gla", {**WHOLE, "qk_in": "rows", "num_stages": 1}),
-    ("linear", {**WHOLE, "warp_specialized": False, "num_stages": 0})]
-WHOLE_IDS = ["linear-whole", "decay-whole", "simple_gla-whole", "simple_gla-whole-rows", "linear-whole-unpipelined"]
+WHOLE_OF = {"linear": WHOLE, "decay": WHOLE, "simple_gla": WHOLE,
+            "gla": {**GLA_CALLER_DEFAULT, **WHOLE, "warp_specialized": True, "num_stages": 2}}
+WHOLE_CONFIGS = [*WHOLE_OF.items(), ("simple_gla", {**WHOLE, "qk_in": "rows", "num_stages": 1}),
+                 ("linear", {**WHOLE, "warp_specialized": False, "num_stages": 0})]
+WHOLE_IDS = ["linear-whole", "decay-whole", "simple_gla-whole", "gla-whole", "simple_gla-whole-rows",
+             "linear-whole-unpipelined"]
+# The token tensors the sequential kernel copies as whole boxes, and their tiles.
+WHOLE_TILES = {"linear": {"K": "K_s", "V": "V_s"}, "decay": {"K": "K_s", "V": "V_s"},
+               "simple_gla": {"K": "K_s", "V": "V_s"},
+               "gla": {"QG": "Qg_s", "KG": "Kg_s", "V": "V_s", "AQK": "Aqk_s"}}
 
 
 def packed(variant):
@@ -69,28 +76,32 @@ def test_every_token_load_and_store_is_masked_at_the_sequence_end(variant):
     assert written == dict.fromkeys(WRITTEN[split], "if c * C + i < seqlen:")
 
 
-@pytest.mark.parametrize("variant", ["linear", "decay", "simple_gla"])
-def test_whole_chunk_tails_copy_k_and_v_into_the_state_kernel_and_zero_the_rows_past_the_end(variant, tmp_path):
-    """tail_loads=whole_chunks: the state kernel copies k and v as whole boxes, each zeroed in shared memory
-    past the sequence's end on a partial chunk only, and its chunk loop is pipelined (producer warps issue
-    its TMA loads, as in the dense kernel); the output kernel's loads stay masked element by element."""
-    rendered = rendered_config(variant, 128, **packed(variant), **WHOLE)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_whole_chunk_tails_copy_the_sequential_kernels_tiles_and_zero_their_rows_past_the_end(variant, tmp_path):
+    """tail_loads=whole_chunks: the kernel that walks each sequence's chunks (the chunked split's state
+    kernel, gla's sequential one) copies its token tiles as whole boxes, each zeroed in shared memory past
+    the sequence's end on a partial chunk only, and its chunk loop is pipelined (producer warps issue the
+    TMA loads, as in the dense kernel); the other kernel's loads stay masked element by element."""
+    walking, other = ("sequential", "prepare") if variant == "gla" else ("chunk_state", "chunk_o")
+    rendered = rendered_config(variant, 64, **{**packed(variant), **WHOLE_OF[variant]})
     source = rendered.source
-    state_kernel = source[source.index("def chunk_state"):source.index("def chunk_o")]
-    copied, read, written = token_accesses(source, "chunk_o")
-    assert set(re.findall(r"T\.copy\((\w+)\[bos \+ c \* C:bos \+ \(c \+ 1\) \* C", state_kernel)) == {"K", "V"}
-    assert read == READ[variant] and written == {"O": "if c * C + i < seqlen:"}
+    kernel = source[source.index(f"def {walking}"):source.index("def programs")]
+    if variant != "gla":
+        kernel = kernel[:kernel.index(f"def {other}")]
+    tiles = WHOLE_TILES[variant]
+    boxes = re.findall(r"T\.copy\((\w+)\[bos \+ c \* C:bos \+ \(c \+ 1\) \* C, \w+, [^\]]+\], (\w+)\)", kernel)
+    assert boxes == list(tiles.items())
     zeroed = re.findall(r"if \(c \+ 1\) \* C > seqlen:\n.*\n.*\n\s+(\w+)\[i, d\] = T\.if_then_else\(c \* C \+ i < seqlen, \1\[i, d\], 0\)",
-                        state_kernel)
-    assert zeroed == ["K_s", "V_s"]
-    cuda_source = next(k.cuda_source for k in assert_compiles_clean(rendered, KERNELS["chunked"], tmp_path).kernels
-                       if k.name == "chunk_state")
-    # Two TMA loads, issued in the producer warps' branch.
-    assert cuda_source.count("tl::tma_load(") == 2 and "if (((int)threadIdx.x) < 128) {" in cuda_source
-    elements = rendered_config(variant, 128, **packed(variant)).source
-    assert "tl::tma_load(" not in next(k.cuda_source for k in assert_compiles_clean(
-        rendered_config(variant, 128, **packed(variant)), KERNELS["chunked"], tmp_path).kernels if k.name == "chunk_state")
-    assert elements.count("T.if_then_else(c * C + i < seqlen, K[") == 2  # both kernels' k, element by element
+                        kernel)
+    assert zeroed == list(tiles.values())
+    # No tile loads element by element left (simple_gla's gate, a column, still is).
+    assert not re.search(r"T\.if_then_else\(c \* C \+ i < seqlen, \w+\[bos \+ c \* C \+ i, \w+, ", kernel)
+    if variant != "gla":  # the output kernel's loads, element by element as before
+        assert token_accesses(source, other)[1] == READ[variant]
+    compiled = {k.name: k.cuda_source for k in assert_compiles_clean(rendered, KERNELS[SPLIT[variant]], tmp_path).kernels}
+    # The tiles' TMA loads (and gla's decay of the chunk), issued in the producer warps' branch.
+    assert compiled[walking].count("tl::tma_load(") == len(tiles) + (variant == "gla")
+    assert "if (((int)threadIdx.x) < 128) {" in compiled[walking]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -169,7 +180,7 @@ def test_a_whole_chunk_tail_never_lets_the_next_sequence_reach_this_one(variant,
     finite and as they were."""
     from tuner.compile import load_kernels
 
-    module, kernels = load_kernels(rendered_config(variant, 64, **packed(variant), **overrides))
+    module, kernels = load_kernels(rendered_config(variant, 64, **{**packed(variant), **overrides}))
     x = packed_inputs(variant, seed=2, device="cuda")
     bounds = x["cu_seqlens"].tolist()
     # The first sequence that ends inside a chunk, and the one after it.
