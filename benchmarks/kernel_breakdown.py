@@ -49,10 +49,12 @@ class _Timed:
 
 
 def starting_config(problem: Problem, overrides: dict, stored: bool, device=None, start: dict | None = None) -> dict:
-    """The config to time: the template's default with ``start`` (a script's own starting point), or
+    """The config to time: the template's default (for a packed problem, what a packed call runs without a
+    stored winner: the packed parameter's caller_default) with ``start`` (a script's own starting point), or
     with ``stored`` the winner stored for ``problem`` on ``device`` (:func:`tuner.best_config`'s, the
     tuner's own even where FLA would run), with ``overrides`` (``--set``) on top."""
-    base = start or {}
+    variant_space = space.load(problem.variant)
+    base = {**(variant_space.default(problem, {"packed": True}) if problem.packed else {}), **(start or {})}
     if stored:
         found = best_config(problem.variant, problem.dk, problem.dv, problem.dtype, problem.batch, problem.seqlen,
                             problem.heads, device=device, backend="tuner", packed=problem.packed)
@@ -60,7 +62,7 @@ def starting_config(problem: Problem, overrides: dict, stored: bool, device=None
             raise UserError(f"no winner of {problem.variant} k{problem.dk} at {problem.shape} is stored for this GPU "
                             f"(tune it, or leave out --stored)")
         base = found.config
-    return space.load(problem.variant).complete(problem, {**base, **overrides})
+    return variant_space.complete(problem, {**base, **overrides})
 
 
 def per_kernel_ms(module, kernels: dict, inputs: dict) -> dict[str, float]:

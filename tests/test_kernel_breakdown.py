@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from tuner import space
 from tuner.errors import UserError
 from tuner.problem import Problem
 from tuner.stack import Stack
@@ -48,6 +49,19 @@ def test_stored_starts_from_this_gpus_winner_and_set_changes_it(monkeypatch, tmp
     changed = kernel_breakdown.starting_config(problem, {"solve": "blocked"}, stored=True, device=H100)
     assert changed == {**h100, "solve": "blocked"}
     assert kernel_breakdown.starting_config(problem, {}, stored=False) != h100
+
+
+@pytest.mark.parametrize("variant,split", [("decay", "chunked"), ("gla", "pre_seq"), ("gdn", "pre_seq")])
+def test_a_packed_problem_starts_from_what_a_packed_call_runs(variant, split):
+    """Without a stored winner a packed call runs its packed parameter's caller_default (the split with
+    packed kernels, and its parameters), which --packed times and --set changes: the template's plain
+    default has no packed kernels."""
+    problem = Problem(variant, 128, 128, batch=1, seqlen=32768, heads=32, packed=True)
+    caller_default = space.load(variant).default(problem, {"packed": True})
+    assert caller_default["split"] == split
+    assert kernel_breakdown.starting_config(problem, {"packed": "true"}, stored=False) == caller_default
+    changed = kernel_breakdown.starting_config(problem, {"packed": "true", "block_dv": "32"}, stored=False)
+    assert changed == space.load(variant).normalise({**caller_default, "block_dv": 32})
 
 
 def test_stored_without_a_winner_says_so(monkeypatch, tmp_path):
