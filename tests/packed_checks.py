@@ -50,6 +50,13 @@ CONFIGS = {
         "roles-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                              "gc_loads": "once", "fast_math": True, "prepare_loads": "async",
                              "o_store": "store_warp", "tail_loads": "whole_chunks"},
+        # The sequences in four groups per value head and DV block, each walked by one block.
+        "roles-groups": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                         "gc_loads": "once", "fast_math": True, "prepare_loads": "async", "o_store": "store_warp",
+                         "sequence_groups": 4},
+        "roles-groups-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
+                                    "num_stages": 2, "gc_loads": "once", "fast_math": True, "prepare_loads": "async",
+                                    "o_store": "store_warp", "tail_loads": "whole_chunks", "sequence_groups": 4},
     },
     "kda": {
         "default": PACKED,
@@ -77,6 +84,14 @@ CONFIGS = {
                              "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
                              "block_dk": 64, "gate_scan": "per_channel", "solve": "column", "o_store": "store_warp",
                              "tail_loads": "whole_chunks"},
+        "roles-groups": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                         "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
+                         "block_dk": 64, "gate_scan": "per_channel", "solve": "column", "o_store": "store_warp",
+                         "sequence_groups": 4},
+        "roles-groups-whole-tail": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                                    "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
+                                    "block_dk": 64, "gate_scan": "per_channel", "solve": "column",
+                                    "o_store": "store_warp", "tail_loads": "whole_chunks", "sequence_groups": 4},
     },
 }
 VARIANTS = list(CONFIGS)

@@ -71,7 +71,9 @@ def tolerance(variant):
                                ("gdn", 64, "roles-segments"), ("gdn", 128, "segments"),
                                ("kda", 64, "roles-segments"), ("kda", 128, "segments"),
                                ("gdn", 128, "roles-prepared-scores"), ("gdn", 128, "roles-whole-tail"),
-                               ("gdn", 64, "roles-whole-tail"), ("kda", 64, "roles-whole-tail")]])
+                               ("gdn", 64, "roles-whole-tail"), ("kda", 64, "roles-whole-tail"),
+                               ("gdn", 64, "roles-groups"), ("gdn", 128, "roles-groups-whole-tail"),
+                               ("kda", 64, "roles-groups"), ("kda", 64, "roles-groups-whole-tail")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
@@ -206,6 +208,33 @@ def test_the_glue_reads_no_value_on_the_host_and_launches_on_the_packed_rows(mon
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("lengths", [PACKED_LENGTHS, (0, 5, 0, 64, 0, 700, 1), "mix"], ids=["regime", "empty", "mix"])
+def test_sequence_groups_cover_every_sequence_once_and_walk_its_chunks_in_the_index_order(variant, lengths,
+                                                                                         monkeypatch, tmp_path):
+    """sequence_groups: the glue cuts the sequences into SEQUENCE_GROUPS runs of whole sequences (empty ones
+    too: their final state is the initial one), each run's chunk slots the contiguous range of the chunk
+    index from its first sequence's first chunk; the state role's chunk c of sequence n is then the
+    (ChunkStarts[n] - first slot + c)-th of its block's walk, the slot the other roles read (n, c) from.
+    No value is read on the host."""
+    lengths = mixed_lengths(7) if lengths == "mix" else lengths
+    kernels, _, cu_seqlens, _, _ = launched(variant, CONFIGS[variant]["roles-groups"], lengths, 2, 4, monkeypatch,
+                                            tmp_path)
+    *_, chunks, starts, groups, _ = kernels.calls["sequential"]
+    index, starts, groups = [tuple(r) for r in chunks.tolist()], starts.tolist(), groups.tolist()
+    counts = [-(-length // 64) for length in lengths]
+    assert len(groups) == 5 and groups[0] == [0, 0] and groups[-1] == [len(lengths), sum(counts)]
+    for (seq_begin, first_slot), (seq_end, end_slot) in zip(groups, groups[1:]):
+        assert seq_begin <= seq_end and end_slot - first_slot == sum(counts[seq_begin:seq_end])
+        walk = [(n, c) for n in range(seq_begin, seq_end) for c in range(counts[n])]
+        assert index[first_slot:end_slot] == walk  # the other roles' walk: slot first_slot + nth
+        assert [starts[n] - first_slot + c for n, c in walk] == list(range(len(walk)))  # the state role's nth
+    # About an equal share of the chunks each: a group ends at the first sequence that starts past its share.
+    shares = [g * sum(counts) // 4 for g in range(4)]
+    assert [seq_begin for seq_begin, _ in groups[:-1]] == [
+        next((n for n in range(len(lengths)) if starts[n] >= share), len(lengths)) for share in shares]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_the_chunked_glue_reads_no_value_on_the_host_and_gives_each_sequence_its_first_chunk(variant, monkeypatch,
                                                                                               tmp_path):
     lengths = (0, 130, 1, 64, 65)
@@ -250,7 +279,8 @@ def compiled():
 @pytest.mark.parametrize("variant,config", configs("default", "all", "chunked", "chunked-all", "roles",
                                                    "roles-store-warp", "roles-rows-once", "roles-async-gates",
                                                    "caller-default", "roles-segments", "segments",
-                                                   "roles-prepared-scores", "roles-whole-tail"))
+                                                   "roles-prepared-scores", "roles-whole-tail", "roles-groups",
+                                                   "roles-groups-whole-tail"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,
