@@ -57,6 +57,11 @@ CONFIGS = {
         "roles-groups-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
                                     "num_stages": 2, "gc_loads": "once", "fast_math": True, "prepare_loads": "async",
                                     "o_store": "store_warp", "tail_loads": "whole_chunks", "sequence_groups": 4},
+        # The new values' state-free products formed ahead of the state, with whole-chunk tails.
+        "roles-values-ahead-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
+                                          "num_stages": 2, "gc_loads": "once", "fast_math": True,
+                                          "prepare_loads": "async", "o_store": "store_warp",
+                                          "tail_loads": "whole_chunks", "new_values": "ahead"},
     },
     "kda": {
         "default": PACKED,
@@ -92,6 +97,11 @@ CONFIGS = {
                                     "prepare_loads": "async", "row_factors": "once", "score_operands": "bfloat16",
                                     "block_dk": 64, "gate_scan": "per_channel", "solve": "column",
                                     "o_store": "store_warp", "tail_loads": "whole_chunks", "sequence_groups": 4},
+        "roles-values-ahead-whole-tail": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                                          "prepare_loads": "async", "row_factors": "once",
+                                          "score_operands": "bfloat16", "block_dk": 64, "gate_scan": "per_channel",
+                                          "solve": "column", "o_store": "store_warp", "tail_loads": "whole_chunks",
+                                          "new_values": "ahead"},
     },
 }
 VARIANTS = list(CONFIGS)

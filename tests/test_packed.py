@@ -73,7 +73,9 @@ def tolerance(variant):
                                ("gdn", 128, "roles-prepared-scores"), ("gdn", 128, "roles-whole-tail"),
                                ("gdn", 64, "roles-whole-tail"), ("kda", 64, "roles-whole-tail"),
                                ("gdn", 64, "roles-groups"), ("gdn", 128, "roles-groups-whole-tail"),
-                               ("kda", 64, "roles-groups"), ("kda", 64, "roles-groups-whole-tail")]])
+                               ("kda", 64, "roles-groups"), ("kda", 64, "roles-groups-whole-tail"),
+                               ("gdn", 128, "roles-values-ahead-whole-tail"), ("gdn", 64, "roles-values-ahead-whole-tail"),
+                               ("kda", 64, "roles-values-ahead-whole-tail")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
@@ -280,7 +282,7 @@ def compiled():
                                                    "roles-store-warp", "roles-rows-once", "roles-async-gates",
                                                    "caller-default", "roles-segments", "segments",
                                                    "roles-prepared-scores", "roles-whole-tail", "roles-groups",
-                                                   "roles-groups-whole-tail"))
+                                                   "roles-groups-whole-tail", "roles-values-ahead-whole-tail"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,
@@ -306,14 +308,14 @@ def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(comp
 
 
 @cuda
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_a_whole_chunk_tail_never_lets_the_next_sequence_reach_this_one(compiled, variant):
+@pytest.mark.parametrize("variant,config", configs("roles-whole-tail", "roles-values-ahead-whole-tail"))
+def test_a_whole_chunk_tail_never_lets_the_next_sequence_reach_this_one(compiled, variant, config):
     """tail_loads=whole_chunks reads the rows past a sequence's end from the next sequence: with that
     sequence all NaN, every other sequence's output and final state are finite and as they were."""
     lengths = (65, 200, 15, 64)  # the first ends one row into a chunk, the third inside one
     x = delta_inputs(variant, lengths, 2, 4, device="cuda")
     cu_seqlens = bounds_of(lengths, torch.int64, "cuda")
-    module, kernels = compiled[variant](**CONFIGS[variant]["roles-whole-tail"])
+    module, kernels = compiled[variant](**CONFIGS[variant][config])
     o, ht = module.forward(kernels, **x, cu_seqlens=cu_seqlens)
     poisoned = dict(x)
     for name in ("q", "k", "v", "g", "beta"):

@@ -37,6 +37,8 @@ GLA_SEGMENTED_ALL = {**GLA_PRE_SEQ_ALL, "split": "segmented", "segments": 8}
 # and g tiles copied asynchronously.
 KDA_PRE_SEQ_ROLES = {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}
 KDA_PRE_SEQ_ROLES_STORE_WARP = {**KDA_PRE_SEQ_ROLES, "o_store": "store_warp"}
+# Its values role forming AB V and W = AB KW before the state comes in.
+KDA_PRE_SEQ_ROLES_VALUES_AHEAD = {**KDA_PRE_SEQ_ROLES_STORE_WARP, "new_values": "ahead"}
 # kda's sequences walked as segments in parallel: the role-split kernel and the one-warpgroup one.
 KDA_PRE_SEQ_ROLES_SEGMENTS = {**KDA_PRE_SEQ_ROLES_STORE_WARP, "prepare_loads": "async", "segments": 4}
 KDA_PRE_SEQ_SEGMENTS = {"split": "pre_seq", "segments": 2}
@@ -428,7 +430,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("kda", KDA_PRE_SEQ_BF16_OPERANDS), ("gla", {"split": "pre_seq", "score_operands": "bfloat16"}),
                             ("kda", {**KDA_PRE_SEQ_ROLES, "prepare_grid": "heads_first"}),
                             ("gla", GLA_PRE_SEQ_PRODUCTS), ("gla", GLA_PRE_SEQ_ASYNC),
-                            ("kda", KDA_PRE_SEQ_ROLES_SEGMENTS), ("kda", KDA_PRE_SEQ_SEGMENTS)],
+                            ("kda", KDA_PRE_SEQ_ROLES_SEGMENTS), ("kda", KDA_PRE_SEQ_SEGMENTS),
+                            ("kda", KDA_PRE_SEQ_ROLES_VALUES_AHEAD)],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
@@ -443,7 +446,8 @@ def test_sub_chunks_split_the_exponent(variant, split):
                                                                    "kda-pre_seq-roles-heads-first",
                                                                    "gla-pre_seq-products", "gla-pre_seq-async",
                                                                    "kda-pre_seq-roles-segments",
-                                                                   "kda-pre_seq-segments"])
+                                                                   "kda-pre_seq-segments",
+                                                                   "kda-pre_seq-roles-values-ahead"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)

@@ -50,6 +50,8 @@ PRE_SEQ_SEGMENTS = {"roles": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp", "s
                     "one-warpgroup": {**PRE_SEQ_MERGED, "segments": 2}}
 # The role-split kernel whose in-chunk scores and row weights come from the precompute kernel.
 PRE_SEQ_ROLES_PREPARED_SCORES = {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp", "output_scores": "prepare"}
+# The role-split kernel whose values role forms AB V and W = AB diag(WQ) K before the state comes in.
+PRE_SEQ_ROLES_VALUES_AHEAD = {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp", "new_values": "ahead"}
 # The chunked split at 256 threads: its output kernel takes the score tile from shared memory.
 CHUNKED_256 = {"split": "chunked", "threads": 256, "scores_in": "shared"}
 
@@ -223,6 +225,44 @@ def test_scores_from_the_precompute_kernel_leave_the_output_role_its_two_product
     assert [r.live_registers for r in roles][2] == 64 * 64 / 128  # the output tile only, no C x C scores
 
 
+def values_role(source: str) -> list[str]:
+    """The stripped lines of the role-split kernel's values role."""
+    kernel = source[source.index("def sequential"):source.index("return sequential")]
+    role = kernel[kernel.index("T.set_max_nreg(VALUES_REGISTERS"):kernel.index("T.set_max_nreg(OUTPUT_REGISTERS")]
+    return [line.strip() for line in role.splitlines()]
+
+
+@pytest.mark.parametrize("variant,dim,packed", [("gdn", 128, False), ("gdn", 64, True), ("kda", 128, False),
+                                                ("kda", 64, True)])
+def test_new_values_ahead_leave_one_product_between_the_state_and_the_new_values(variant, dim, packed, tmp_path):
+    overrides = {**STORE_WARP[variant], "new_values": "ahead"}
+    if packed:  # whole-chunk tails: the rows past a sequence's end are the next sequence's
+        overrides.update(packed=True, tail_loads="whole_chunks")
+    rendered = rendered_config(variant, dim, **overrides)
+    assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path)
+    lines = values_role(rendered.source)
+    products = [n for n, line in enumerate(lines) if line.startswith("T.gemm(")]
+    state_in = lines.index(next(line for line in lines if line.startswith("T.barrier_wait(state_ready[b]")))
+    # Before the state: AB V, then W = AB {diag(WQ) K | KW} 64 columns at a time; after it, W S alone.
+    before = [lines[n] for n in products if n < state_in]
+    assert before[0] == "T.gemm(Ab_s[s, :, :], V_s[s, :, :], U_f, clear_accum=True)"
+    tile, slot = ("W_s", "") if variant == "gdn" else ("Kw_s", "s, ")
+    assert before[1:] == [f"T.gemm(Ab_s[s, :, :], {tile}[{slot}:, {c}:{c + 64}], W_f, clear_accum=True)"
+                          for c in range(0, dim, 64)]
+    assert [lines[n] for n in products if n > state_in] == [f"T.gemm({tile}[{slot}:, :], S_s[b, :, :], U_f)"]
+    # U = AB V - W S: W is stored negated over the tile it came from; no difference tile, no K S product.
+    assert all(f"{tile}[{slot}i, {c} + k] = -W_f[i, k]" in lines for c in range(0, dim, 64))
+    assert "Vr_s" not in rendered.source and "KS_f" not in rendered.source
+    if variant == "gdn":
+        assert ("W_s[i, k] = T.if_then_else(" in " ".join(lines)) == packed  # WQ * K, zero past the end
+    if packed:  # the values (and kda's weighted keys) of the next sequence's rows zeroed before any product
+        zeroed = lines.index("V_s[s, i, d] = 0")
+        assert zeroed < products[0] and ("Kw_s[s, i, k] = 0" in lines) == (variant == "kda")
+    roles = next(k for k in rendered.kernels if k.name == "sequential").roles
+    # The values role holds U and 64 columns of W: no more registers than the on_state form's K S and U.
+    assert roles[1].live_registers == 64 * 64 / 128 + 64 * 64 / 128
+
+
 # The role-split kernels (delta.py.j2's, gdn's and kda's) with o stored by a warp of its own.
 STORE_WARP = {"gdn": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp"}, "kda": {**ROLES["kda"], "o_store": "store_warp"}}
 
@@ -383,13 +423,16 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", PRE_SEQ_SEGMENTS["roles"]),
                                              ("pre_seq", PRE_SEQ_SEGMENTS["one-warpgroup"]),
                                              ("pre_seq", PRE_SEQ_ROLES_PREPARED_SCORES),
-                                             ("pre_seq", {**PRE_SEQ_ROLES_PREPARED_SCORES, "segments": 4})],
+                                             ("pre_seq", {**PRE_SEQ_ROLES_PREPARED_SCORES, "segments": 4}),
+                                             ("pre_seq", PRE_SEQ_ROLES_VALUES_AHEAD),
+                                             ("pre_seq", {**PRE_SEQ_ROLES_VALUES_AHEAD, "segments": 4})],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
                               "pre_seq-roles-store-warp", "pre_seq-roles-heads-first", "pre_seq-roles-async-gates",
                               "pre_seq-roles-segments", "pre_seq-segments", "pre_seq-roles-prepared-scores",
-                              "pre_seq-roles-prepared-scores-segments"))
+                              "pre_seq-roles-prepared-scores-segments", "pre_seq-roles-values-ahead",
+                              "pre_seq-roles-values-ahead-segments"))
 def test_forward_matches_fp64_oracle(split, overrides):
     rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
     module, compiled = load_kernels(rendered)
