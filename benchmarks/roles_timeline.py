@@ -30,7 +30,11 @@ from tuner.problem import Problem, parse_shape
 ROLES = {"gdn": {"split": "pre_seq", "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                  "gc_loads": "once", "fast_math": True},
          "kda": {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}}
-ROLE_NAMES = ("state", "values", "output", "producer")
+# The roles' chunk loops in the order rendered; the store warp's (o_store=store_warp) is the last, if any.
+ROLE_NAMES = ("state", "values", "output", "producer", "store")
+# The thread of each role that stamps: the first of each warpgroup, and the store warp's first (tx 416,
+# the producer warpgroup's second warp).
+STAMPING_THREADS = "(tx % 128 == 0 or tx == 416)"
 CHUNK_LOOP = "for c in T.serial(chunks):"
 STAMPS_ARG = "STAMPS"
 # forward's launch of the sequential kernel, its operands before the scale.
@@ -85,9 +89,9 @@ def instrument(source: str) -> tuple[str, list[list[str]]]:
     stamp buffer as the sequential kernel's last argument, passed by ``forward`` from the module's
     global ``STAMPS``; and per role the labels of its statements."""
     loops = [i for i, line in enumerate(source.splitlines()) if line.strip() == CHUNK_LOOP]
-    if len(loops) != len(ROLE_NAMES):
-        raise SystemExit(f"roles_timeline: expected {len(ROLE_NAMES)} chunk loops, found {len(loops)}")
-    text, labels = stamp_loops(source, loops, "bbh == 0 and bv == 0 and tx % 128 == 0", STAMPS_ARG)
+    if len(loops) not in (len(ROLE_NAMES) - 1, len(ROLE_NAMES)):
+        raise SystemExit(f"roles_timeline: expected {len(ROLE_NAMES) - 1} or {len(ROLE_NAMES)} chunk loops, found {len(loops)}")
+    text, labels = stamp_loops(source, loops, f"bbh == 0 and bv == 0 and {STAMPING_THREADS}", STAMPS_ARG)
     points = max(len(role_labels) for role_labels in labels) + 1
     signature = "        scale: T.float32,\n    ):\n        with T.Kernel(T.ceildiv(DV, BLOCK_DV), B * H, threads=ROLE_THREADS)"
     call = SEQUENTIAL_CALL.search(text)

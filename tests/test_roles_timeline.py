@@ -46,7 +46,7 @@ def test_every_statement_of_each_role_loop_is_stamped_in_order(roles_timeline, r
 
 
 def test_a_changed_kernel_is_refused_not_misread(roles_timeline, roles):
-    with pytest.raises(SystemExit, match="expected 4 chunk loops"):
+    with pytest.raises(SystemExit, match="expected 4 or 5 chunk loops"):
         roles_timeline.instrument(roles.source.replace("for c in T.serial(chunks):", "for c in T.serial(chunks + 0):", 1))
     with pytest.raises(SystemExit, match="signature or its call changed"):
         roles_timeline.instrument(roles.source.replace("scale: T.float32,", "scale: T.float64,"))
@@ -56,3 +56,17 @@ def test_the_stamped_kernel_compiles_clean_for_hopper(roles_timeline, roles, tmp
     source, _ = roles_timeline.instrument(roles.source)
     report = assert_compiles_clean(Candidate(roles.problem, roles.config, source), ["prepare", "sequential"], tmp_path)
     assert any(k.name == "sequential" and k.registers for k in report.kernels)
+
+
+def test_the_store_warps_loop_is_stamped_by_its_own_first_thread(roles_timeline):
+    """With o_store=store_warp the producer's warpgroup runs a fifth chunk loop in its second warp
+    (threads 416-447), where no thread is a multiple of 128: its stamps are the fifth role's, written by
+    thread 416."""
+    store = rendered_config("gdn", 128, **roles_timeline.ROLES["gdn"], o_store="store_warp")
+    source, labels = roles_timeline.instrument(store.source)
+    assert len(labels) == 5 and labels[4][-1] == "T.barrier_arrive(output_free[b])"
+    lines = source.splitlines()
+    warp = next(i for i, line in enumerate(lines) if line.strip() == "elif tx < 448:")
+    stamps = [i for i, line in enumerate(lines) if "STAMPS[4, c, " in line]
+    assert len(stamps) == len(labels[4]) + 1 and all(i > warp for i in stamps)
+    assert all(lines[i - 1].strip() == "if bbh == 0 and bv == 0 and (tx % 128 == 0 or tx == 416):" for i in stamps)
