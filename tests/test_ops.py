@@ -398,3 +398,21 @@ def test_the_switch_is_the_last_argument_of_every_op():
     for name in FLA_SIGNATURES:
         parameters = list(inspect.signature(getattr(ops, name)).parameters.values())
         assert parameters[-1].name == "backend" and parameters[-1].default is None
+
+
+@pytest.mark.parametrize("variant", ["gdn", "simple_gla"])
+def test_one_packed_sequence_runs_the_dense_winner_and_several_the_packed_kernels(variant, measured, monkeypatch):
+    """cu_seqlens of one sequence is the dense row B = 1 (its bounds can only be [0, T]): the call takes
+    the winner stored for the dense 1 x T problem; two sequences need a config of packed kernels."""
+    measured(variant, 2.0)  # the tuner's winner is the faster
+    ran = []
+    monkeypatch.setattr(ops, "_run", lambda problem, config, *args, **kwargs: ran.append(
+        (dict(config), kwargs.get("cu_seqlens"))) or (args[0], None))
+    call = CALLS[variant][0]
+    x = cpu_inputs(variant)
+    dense = space.load(variant).default(Problem(variant, 64, 64, "bf16", **SHAPE))
+    call(ops, x, cu_seqlens=torch.tensor([0, x["q"].shape[1]]))
+    assert ran[-1][0] == dense and not dense.get("packed")
+    two = dict(x, initial_state=torch.zeros(2, *x["initial_state"].shape[1:]))
+    call(ops, two, cu_seqlens=torch.tensor([0, 3, x["q"].shape[1]]))
+    assert ran[-1][0]["packed"] is True and ran[-1][1] is not None

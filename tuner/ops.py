@@ -132,7 +132,9 @@ def _route(variant, q, k, v, g=None, beta=None, initial_state=None, backend=None
     """The problem of the inputs, FLA's ``fla.ops`` where FLA runs it (else None) and the tuner's config."""
     problem = _check(variant, q, k, v, g, beta, initial_state, cu_seqlens)
     # Packed sequences and grouped value heads need the kernels that take them (a config stating packed).
-    packed = cu_seqlens is not None or problem.heads != q.shape[2]
+    # One packed sequence (cu_seqlens [0, T], a shape known on the host) is the dense row B = 1: it takes
+    # the dense winner at 1 x T, which may split that one long sequence into segments.
+    packed = (cu_seqlens is not None and cu_seqlens.shape[0] > 2) or problem.heads != q.shape[2]
     fla, config = _plan(problem, q.device.index or 0, baseline.backend_choice(backend), packed)
     return problem, fla, config
 
