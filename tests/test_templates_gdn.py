@@ -434,12 +434,23 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                               "pre_seq-roles-prepared-scores-segments", "pre_seq-roles-values-ahead",
                               "pre_seq-roles-values-ahead-segments"))
 def test_forward_matches_fp64_oracle(split, overrides):
-    rendered = rendered_config("gdn", 64, **{"split": split, **overrides})
+    assert_matches_oracle(rendered_config("gdn", 64, **{"split": split, **overrides}))
+
+
+@cuda
+@pytest.mark.parametrize("overrides", [PRE_SEQ_ROLES_VALUES_AHEAD], ids=["pre_seq-roles-values-ahead-dk128"])
+def test_values_ahead_at_dk_128_matches_fp64_oracle(overrides):
+    """At DK 128 the values role forms W in two halves of 64 columns, the second read from the second
+    swizzled panel of its tile (DK 64 has one)."""
+    assert_matches_oracle(rendered_config("gdn", 128, **{"split": "pre_seq", **overrides}))
+
+
+def assert_matches_oracle(rendered):
     module, compiled = load_kernels(rendered)
     # T a multiple of C, a tail, a tail with an initial state, and strong decay (with 4 segments: empty
     # ones after a short sequence's first, and segments of several chunks at T 1000).
     cases = ((128, "default"), (200, "default"), (77, "initial_state"), (150, "alpha0.5"))
-    if overrides.get("segments", 1) > 1:
+    if rendered.config.get("segments", 1) > 1:
         cases += ((1000, "initial_state"), (700, "alpha0.5"))
     for seqlen, regime in cases:
         oracle_errors(module, compiled, rendered, regime, seqlen)
