@@ -25,10 +25,10 @@ from tuner.problem import Problem
 from tuner.screen import screen
 
 KERNELS = {"fused": ["fused"], "chunked": ["chunk_wu", "chunk_state", "chunk_o"], "pre_seq": ["prepare", "sequential"]}
-PLACEMENTS = ("system_in", "wu_in", "decay_in", "qk_in", "scores_in")
+PLACEMENTS = ("system_in", "wu_in", "decay_in", "qk_in", "scores_in", "output_scores_in")
 # The placements each split has (pre_seq keeps no W and no Q * exp(gc) tile; only the chunked split's
-# output kernel has a placement of its score tile).
-SPLIT_PLACEMENTS = {"fused": PLACEMENTS[:4], "chunked": PLACEMENTS, "pre_seq": ("system_in", "decay_in")}
+# output kernel has a placement of its score tile; output_scores_in is the role-split kernel's).
+SPLIT_PLACEMENTS = {"fused": PLACEMENTS[:4], "chunked": PLACEMENTS[:5], "pre_seq": ("system_in", "decay_in")}
 # The fastest pre_seq shape on the H200 and one with every pre_seq parameter off its default.
 PRE_SEQ_FAST = {"split": "pre_seq", "block_dv": 32}
 PRE_SEQ_ALL = {"split": "pre_seq", "block_dv": 64, "threads": 256, "solve": "doubling", "overlap": True,
@@ -69,6 +69,10 @@ def test_every_placement_is_tested():
 @pytest.mark.parametrize("split,placement", [(s, p) for s, ps in SPLIT_PLACEMENTS.items() for p in ps])
 def test_every_placement_changes_the_code(split, placement):
     assert_every_value_changes_source("gdn", 128, placement, split=split)
+
+
+def test_the_role_split_placement_changes_the_code():
+    assert_every_value_changes_source("gdn", 128, "output_scores_in", **STORE_WARP["gdn"])
 
 
 @pytest.mark.parametrize("param", ["solve", "overlap", "prepare_chunks", "prepare_loads", "prepare_grid"])
@@ -263,6 +267,33 @@ def test_new_values_ahead_leave_one_product_between_the_state_and_the_new_values
     assert roles[1].live_registers == 64 * 64 / 128 + 64 * 64 / 128
 
 
+
+@pytest.mark.parametrize("dim,packed", [(128, False), (64, True)])
+def test_scores_in_registers_feed_the_output_roles_product_from_registers(dim, packed, tmp_path):
+    """output_scores_in=fragment: the scores the output role forms stay in registers, in the layout of
+    the A operand of A U (a register-sourced wgmma), so no C x C tile is written, fenced and read back."""
+    overrides = {**STORE_WARP["gdn"], "output_scores_in": "fragment", **({"packed": True} if packed else {})}
+    rendered = rendered_config("gdn", dim, **overrides)
+    report = assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path)
+    kernel = rendered.source[rendered.source.index("def sequential"):rendered.source.index("return sequential")]
+    output = kernel[kernel.index("T.set_max_nreg(OUTPUT_REGISTERS"):kernel.index("T.set_max_nreg(PRODUCER_REGISTERS")]
+    assert "Attn_s" not in rendered.source and "Attn_f = T.alloc_fragment([C, C], DTYPE)" in kernel
+    assert "T.gemm(Attn_f, U_s, acc_o)" in output
+    # The scores are written to registers: the only fence left in the role is the one before the o hand-over.
+    assert output.count("T.fence_proxy_async()") == 1
+    cuda = next(k for k in report.kernels if k.name == "sequential").cuda_source
+    assert cuda.count("wgmma_rs<") == 1 and "Attn_f[" in cuda
+    shared = rendered_config("gdn", dim, **{**overrides, "output_scores_in": "shared"})
+    assert shared.source == rendered_config("gdn", dim, **{k: v for k, v in overrides.items()
+                                                           if k != "output_scores_in"}).source
+    # The tile's 8 KB of shared memory less (modelled, and compiled as modelled above); the role holds the
+    # bf16 scores beside QK while it forms them, then beside acc_o (QK is dead by then).
+    smem = {c.source: {k.name: k.smem_bytes for k in c.prediction.per_kernel} for c in (rendered, shared)}
+    assert smem[shared.source]["sequential"] - smem[rendered.source]["sequential"] == 64 * 64 * 2
+    roles = next(k for k in rendered.kernels if k.name == "sequential").roles
+    assert roles[2].live_registers == (64 * 64 + 64 * 64 / 2) / 128
+
+
 # The role-split kernels (delta.py.j2's, gdn's and kda's) with o stored by a warp of its own.
 STORE_WARP = {"gdn": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp"}, "kda": {**ROLES["kda"], "o_store": "store_warp"}}
 
@@ -425,14 +456,15 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", PRE_SEQ_ROLES_PREPARED_SCORES),
                                              ("pre_seq", {**PRE_SEQ_ROLES_PREPARED_SCORES, "segments": 4}),
                                              ("pre_seq", PRE_SEQ_ROLES_VALUES_AHEAD),
-                                             ("pre_seq", {**PRE_SEQ_ROLES_VALUES_AHEAD, "segments": 4})],
+                                             ("pre_seq", {**PRE_SEQ_ROLES_VALUES_AHEAD, "segments": 4}),
+                                             ("pre_seq", {**STORE_WARP["gdn"], "output_scores_in": "fragment"})],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
                               "pre_seq-roles-store-warp", "pre_seq-roles-heads-first", "pre_seq-roles-async-gates",
                               "pre_seq-roles-segments", "pre_seq-segments", "pre_seq-roles-prepared-scores",
                               "pre_seq-roles-prepared-scores-segments", "pre_seq-roles-values-ahead",
-                              "pre_seq-roles-values-ahead-segments"))
+                              "pre_seq-roles-values-ahead-segments", "pre_seq-roles-scores-in-registers"))
 def test_forward_matches_fp64_oracle(split, overrides):
     assert_matches_oracle(rendered_config("gdn", 64, **{"split": split, **overrides}))
 
