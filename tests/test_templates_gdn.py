@@ -267,7 +267,6 @@ def test_new_values_ahead_leave_one_product_between_the_state_and_the_new_values
     assert roles[1].live_registers == 64 * 64 / 128 + 64 * 64 / 128
 
 
-
 @pytest.mark.parametrize("dim,packed", [(128, False), (64, True)])
 def test_scores_in_registers_feed_the_output_roles_product_from_registers(dim, packed, tmp_path):
     """output_scores_in=fragment: the scores the output role forms stay in registers, in the layout of
@@ -288,8 +287,8 @@ def test_scores_in_registers_feed_the_output_roles_product_from_registers(dim, p
                                                            if k != "output_scores_in"}).source
     # The tile's 8 KB of shared memory less (modelled, and compiled as modelled above); the role holds the
     # bf16 scores beside QK while it forms them, then beside acc_o (QK is dead by then).
-    smem = {c.source: {k.name: k.smem_bytes for k in c.prediction.per_kernel} for c in (rendered, shared)}
-    assert smem[shared.source]["sequential"] - smem[rendered.source]["sequential"] == 64 * 64 * 2
+    smem = [next(k.smem_bytes for k in c.prediction.per_kernel if k.name == "sequential") for c in (shared, rendered)]
+    assert smem[0] - smem[1] == 64 * 64 * 2
     roles = next(k for k in rendered.kernels if k.name == "sequential").roles
     assert roles[2].live_registers == (64 * 64 + 64 * 64 / 2) / 128
 
