@@ -200,7 +200,7 @@ def test_the_grid_is_the_full_products_normalised_configs_in_order(variant):
     normalised config of the whole product, each where the product first reaches it. gdn, whose
     conditional parameters are where it skips most, with five unconditional ones and three of pre_seq's
     cut to two values and chunk_size, tail_loads and sequence_groups (a packed kernel's, never in the searched
-    grid) and new_values and output_scores_in, which no condition reads, to one (its full product is about 10 billion)."""
+    grid) and new_values and output_scores_in, which no condition reads, to one (its full product is about 80 billion)."""
     import dataclasses
     import itertools
 
