@@ -30,11 +30,13 @@ from tuner.problem import Problem, parse_shape
 ROLES = {"gdn": {"split": "pre_seq", "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
                  "gc_loads": "once", "fast_math": True},
          "kda": {"split": "pre_seq", "block_dv": 64, "sequential_roles": True, "num_stages": 2}}
-# The roles' chunk loops in the order rendered; the store warp's (o_store=store_warp) is the last, if any.
-ROLE_NAMES = ("state", "values", "output", "producer", "store")
-# The thread of each role that stamps: the first of each warpgroup, and the store warp's first (tx 416,
-# the producer warpgroup's second warp).
-STAMPING_THREADS = "(tx % 128 == 0 or tx == 416)"
+# The roles' chunk loops in the order rendered: four, then those of the producer warpgroup's other warps
+# where the kernel has them (o_store=store_warp, gc_loads=gate_warp), each known by its comment.
+ROLE_NAMES = ("state", "values", "output", "producer")
+WARP_ROLES = (("store", "# The store warp:"), ("gate", "# The gate warp:"))
+# The thread of each role that stamps: the first of each warpgroup, and the first of the producer
+# warpgroup's second and third warps (tx 416 and 448).
+STAMPING_THREADS = "(tx % 128 == 0 or tx == 416 or tx == 448)"
 CHUNK_LOOP = "for c in T.serial(chunks):"
 STAMPS_ARG = "STAMPS"
 # forward's launch of the sequential kernel, its operands before the scale.
@@ -84,13 +86,19 @@ def stamp_loops(source: str, loops: list[int], guard: str, buffer: str,
     return "\n".join(out) + "\n", labels
 
 
+def role_names(source: str) -> list[str]:
+    """The roles of the rendered role-split module's chunk loops, in their order."""
+    return [*ROLE_NAMES, *(name for name, comment in WARP_ROLES if comment in source)]
+
+
 def instrument(source: str) -> tuple[str, list[list[str]]]:
     """The rendered role-split module with stamps in each role's chunk loop (``stamp_loops``), the
     stamp buffer as the sequential kernel's last argument, passed by ``forward`` from the module's
     global ``STAMPS``; and per role the labels of its statements."""
     loops = [i for i, line in enumerate(source.splitlines()) if line.strip() == CHUNK_LOOP]
-    if len(loops) not in (len(ROLE_NAMES) - 1, len(ROLE_NAMES)):
-        raise SystemExit(f"roles_timeline: expected {len(ROLE_NAMES) - 1} or {len(ROLE_NAMES)} chunk loops, found {len(loops)}")
+    roles = len(role_names(source))
+    if len(loops) != roles:
+        raise SystemExit(f"roles_timeline: expected {roles} chunk loops, found {len(loops)}")
     text, labels = stamp_loops(source, loops, f"bbh == 0 and bv == 0 and {STAMPING_THREADS}", STAMPS_ARG)
     points = max(len(role_labels) for role_labels in labels) + 1
     signature = "        scale: T.float32,\n    ):\n        with T.Kernel(T.ceildiv(DV, BLOCK_DV), B * H, threads=ROLE_THREADS)"
@@ -98,7 +106,7 @@ def instrument(source: str) -> tuple[str, list[list[str]]]:
     if signature not in text or call is None:
         raise SystemExit("roles_timeline: the rendered kernel's signature or its call changed")
     text = text.replace(signature, signature.replace(
-        "\n    ):", f"\n        {STAMPS_ARG}: T.Tensor([{len(ROLE_NAMES)}, T.ceildiv(S, C), {points}], \"int64\"),\n    ):"))
+        "\n    ):", f"\n        {STAMPS_ARG}: T.Tensor([{roles}, T.ceildiv(S, C), {points}], \"int64\"),\n    ):"))
     text = text.replace(call.group(0), f"{STAMPS_ARG}.zero_()\n    {call.group(0)[:-1]}, {STAMPS_ARG})")
     return text, labels
 
@@ -160,13 +168,13 @@ def main(argv=None) -> int:
     plain, chunks = rendered_from_arguments(argv, __doc__.splitlines()[0], ROLES, "gdn",
                                             "a parameter of the role-split config (default: ROLES[variant] in this file)")
     source, labels = instrument(plain.source)
-    timed = time_stamped(plain, source, "sequential", (len(ROLE_NAMES), chunks, max(len(r) for r in labels) + 1))
+    timed = time_stamped(plain, source, "sequential", (len(labels), chunks, max(len(r) for r in labels) + 1))
     if timed is None:
         return 2
     plain_ms, stamped_ms, stamps = timed
     print(f"config {plain.config}")
     print(f"sequential kernel: {plain_ms:.3f} ms as rendered, {stamped_ms:.3f} ms stamped; {chunks} chunks")
-    report(stamps, labels, [f"{name} role" for name in ROLE_NAMES])
+    report(stamps, labels, [f"{name} role" for name in role_names(plain.source)])
     return 0
 
 

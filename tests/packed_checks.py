@@ -62,6 +62,22 @@ CONFIGS = {
                                           "num_stages": 2, "gc_loads": "once", "fast_math": True,
                                           "prepare_loads": "async", "o_store": "store_warp",
                                           "tail_loads": "whole_chunks", "new_values": "ahead"},
+        # The V tile swizzled, its whole-chunk tail rows zeroed through the swizzle.
+        "roles-v-swizzled-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
+                                        "num_stages": 2, "gc_loads": "once", "fast_math": True,
+                                        "prepare_loads": "async", "o_store": "store_warp",
+                                        "tail_loads": "whole_chunks", "v_swizzle": True},
+        # And the values role's loads ahead of its stores, the tail rows masked in registers.
+        "roles-values-loads-first-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64,
+                                                "sequential_roles": True, "num_stages": 2, "gc_loads": "once",
+                                                "fast_math": True, "prepare_loads": "async",
+                                                "o_store": "store_warp", "tail_loads": "whole_chunks",
+                                                "v_swizzle": True, "values_loads": "first"},
+        # gc and the row weights by a warp of their own, over grouped sequences with whole-chunk tails.
+        "roles-gate-warp-groups-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
+                                              "num_stages": 3, "gc_loads": "gate_warp", "fast_math": True,
+                                              "prepare_loads": "async", "o_store": "store_warp",
+                                              "tail_loads": "whole_chunks", "sequence_groups": 4},
     },
     "kda": {
         "default": PACKED,
@@ -102,6 +118,17 @@ CONFIGS = {
                                           "score_operands": "bfloat16", "block_dk": 64, "gate_scan": "per_channel",
                                           "solve": "column", "o_store": "store_warp", "tail_loads": "whole_chunks",
                                           "new_values": "ahead"},
+        "roles-v-swizzled-whole-tail": {**PACKED, "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                                        "prepare_loads": "async", "row_factors": "once",
+                                        "score_operands": "bfloat16", "block_dk": 64, "gate_scan": "per_channel",
+                                        "solve": "column", "o_store": "store_warp", "tail_loads": "whole_chunks",
+                                        "v_swizzle": True},
+        "roles-values-loads-first-whole-tail": {**PACKED, "block_dv": 64, "sequential_roles": True,
+                                                "num_stages": 2, "prepare_loads": "async", "row_factors": "once",
+                                                "score_operands": "bfloat16", "block_dk": 64,
+                                                "gate_scan": "per_channel", "solve": "column",
+                                                "o_store": "store_warp", "tail_loads": "whole_chunks",
+                                                "v_swizzle": True, "values_loads": "first"},
     },
 }
 VARIANTS = list(CONFIGS)

@@ -46,7 +46,7 @@ def test_every_statement_of_each_role_loop_is_stamped_in_order(roles_timeline, r
 
 
 def test_a_changed_kernel_is_refused_not_misread(roles_timeline, roles):
-    with pytest.raises(SystemExit, match="expected 4 or 5 chunk loops"):
+    with pytest.raises(SystemExit, match="expected 4 chunk loops, found 3"):
         roles_timeline.instrument(roles.source.replace("for c in T.serial(chunks):", "for c in T.serial(chunks + 0):", 1))
     with pytest.raises(SystemExit, match="signature or its call changed"):
         roles_timeline.instrument(roles.source.replace("scale: T.float32,", "scale: T.float64,"))
@@ -69,4 +69,22 @@ def test_the_store_warps_loop_is_stamped_by_its_own_first_thread(roles_timeline)
     warp = next(i for i, line in enumerate(lines) if line.strip() == "elif tx < 448:")
     stamps = [i for i, line in enumerate(lines) if "STAMPS[4, c, " in line]
     assert len(stamps) == len(labels[4]) + 1 and all(i > warp for i in stamps)
-    assert all(lines[i - 1].strip() == "if bbh == 0 and bv == 0 and (tx % 128 == 0 or tx == 416):" for i in stamps)
+    assert all(lines[i - 1].strip() == "if bbh == 0 and bv == 0 and (tx % 128 == 0 or tx == 416 or tx == 448):"
+               for i in stamps)
+
+
+@pytest.mark.parametrize("store_warp", [True, False])
+def test_the_gate_warps_loop_is_stamped_by_its_own_first_thread(roles_timeline, store_warp):
+    """With gc_loads=gate_warp a warp of the producer's warpgroup loads gc and forms the row weights in a
+    chunk loop of its own, the last: threads 448-479 beside a store warp, else 416-447."""
+    gate = rendered_config("gdn", 128, **{**roles_timeline.ROLES["gdn"], "gc_loads": "gate_warp",
+                                          **({"o_store": "store_warp"} if store_warp else {})})
+    source, labels = roles_timeline.instrument(gate.source)
+    assert roles_timeline.role_names(gate.source)[-1] == "gate" and len(labels) == 5 + store_warp
+    assert labels[-1][-2:] == ["for i in T.Parallel(C):", "T.barrier_arrive(loaded[s])"]
+    # The TMA warp's loop forms no row weights.
+    assert not any(label.startswith("for i in T.Parallel") for label in labels[3])
+    lines = source.splitlines()
+    warp = next(i for i, line in enumerate(lines) if line.strip() == f"elif tx < {480 if store_warp else 448}:")
+    stamps = [i for i, line in enumerate(lines) if f"STAMPS[{len(labels) - 1}, c, " in line]
+    assert len(stamps) == len(labels[-1]) + 1 and all(i > warp for i in stamps)

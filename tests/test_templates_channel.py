@@ -39,6 +39,8 @@ KDA_PRE_SEQ_ROLES = {"split": "pre_seq", "block_dv": 64, "sequential_roles": Tru
 KDA_PRE_SEQ_ROLES_STORE_WARP = {**KDA_PRE_SEQ_ROLES, "o_store": "store_warp"}
 # Its values role forming AB V and W = AB KW before the state comes in.
 KDA_PRE_SEQ_ROLES_VALUES_AHEAD = {**KDA_PRE_SEQ_ROLES_STORE_WARP, "new_values": "ahead"}
+# Its V tile swizzled (the values role reads it element by element).
+KDA_PRE_SEQ_ROLES_V_SWIZZLED = {**KDA_PRE_SEQ_ROLES_STORE_WARP, "v_swizzle": True}
 # kda's sequences walked as segments in parallel: the role-split kernel and the one-warpgroup one.
 KDA_PRE_SEQ_ROLES_SEGMENTS = {**KDA_PRE_SEQ_ROLES_STORE_WARP, "prepare_loads": "async", "segments": 4}
 KDA_PRE_SEQ_SEGMENTS = {"split": "pre_seq", "segments": 2}
@@ -431,7 +433,9 @@ def test_sub_chunks_split_the_exponent(variant, split):
                             ("kda", {**KDA_PRE_SEQ_ROLES, "prepare_grid": "heads_first"}),
                             ("gla", GLA_PRE_SEQ_PRODUCTS), ("gla", GLA_PRE_SEQ_ASYNC),
                             ("kda", KDA_PRE_SEQ_ROLES_SEGMENTS), ("kda", KDA_PRE_SEQ_SEGMENTS),
-                            ("kda", KDA_PRE_SEQ_ROLES_VALUES_AHEAD)],
+                            ("kda", KDA_PRE_SEQ_ROLES_VALUES_AHEAD), ("kda", KDA_PRE_SEQ_ROLES_V_SWIZZLED),
+                            ("kda", {**KDA_PRE_SEQ_SEGMENTS, "v_swizzle": True}),
+                            ("kda", {**KDA_PRE_SEQ_ROLES_V_SWIZZLED, "values_loads": "first"})],
                          ids=[f"{v}-{s}" for v, s, _ in SPLITS] + ["kda-chunked-block_dv_o", "gla-pre_seq-all",
                                                                    "kda-pre_seq-all", "kda-pre_seq-blocks",
                                                                    "gla-segmented", "gla-segmented-all",
@@ -447,7 +451,10 @@ def test_sub_chunks_split_the_exponent(variant, split):
                                                                    "gla-pre_seq-products", "gla-pre_seq-async",
                                                                    "kda-pre_seq-roles-segments",
                                                                    "kda-pre_seq-segments",
-                                                                   "kda-pre_seq-roles-values-ahead"])
+                                                                   "kda-pre_seq-roles-values-ahead",
+                                                                   "kda-pre_seq-roles-v-swizzled",
+                                                                   "kda-pre_seq-segments-v-swizzled",
+                                                                   "kda-pre_seq-roles-values-loads-first"])
 @pytest.mark.parametrize("dk,dtype", [(64, "fp16"), (128, "bf16")])
 def test_forward_matches_fp64_oracle(variant, overrides, dk, dtype):
     rendered = rendered_config(variant, dk, dtype, **overrides)

@@ -293,6 +293,80 @@ def test_scores_in_registers_feed_the_output_roles_product_from_registers(dim, p
     assert roles[2].live_registers == (64 * 64 + 64 * 64 / 2) / 128
 
 
+def tensor_map_swizzles(host_source: str) -> dict[str, int]:
+    """The swizzle mode (CUtensorMapSwizzle: 0 none, 3 128 bytes) of each TMA tensor map a compiled
+    kernel's host code creates, by the map's name."""
+    swizzles = {}
+    for tensor_map in re.finditer(r"void\* (\w+)_desc = stack_\d+;(.*?)TVMFFIFunctionCall", host_source, re.S):
+        # cuTensorMapEncodeTiled's arguments after the map: dtype, rank, address, then per dimension the
+        # size, stride, box and element stride, then interleave and swizzle.
+        args = dict(re.findall(r"\[(\d+)\]\.v_int64\) = \(\(int64_t\)(\d+)\);", tensor_map.group(2)))
+        swizzles[tensor_map.group(1)] = int(args[str(5 + 4 * int(args["2"]))])
+    return swizzles
+
+
+@pytest.mark.parametrize("variant,dim,packed", [("gdn", 128, False), ("kda", 64, True)])
+def test_v_swizzle_has_tma_write_the_v_tile_swizzled_for_the_values_roles_reads(variant, dim, packed, tmp_path):
+    """v_swizzle: the V tile, which the values role reads element by element, gets TileLang's swizzled
+    layout, so the TMA copy that fills it swizzles 128 bytes (the tiles the tensor cores read do already)
+    and the reads follow; false renders the earlier kernel."""
+    overrides = {**STORE_WARP[variant], **({"packed": True, "tail_loads": "whole_chunks"} if packed else {})}
+    plain, swizzled = (rendered_config(variant, dim, **overrides, v_swizzle=on) for on in (False, True))
+    assert plain.source == rendered_config(variant, dim, **overrides).source
+    assert "T.annotate_layout({V_s: tilelang.layout.make_swizzled_layout(V_s)})" in swizzled.source
+    swizzles = {}
+    for name, rendered in (("plain", plain), ("swizzled", swizzled)):
+        assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path / name)
+        _, _, kernels = build_kernels(rendered, cache_dir=tmp_path / name)
+        swizzles[name] = tensor_map_swizzles(kernels["sequential"].get_host_source())
+    assert swizzles["plain"]["V"] == 0 and swizzles["swizzled"]["V"] == 3
+    assert {k: v for k, v in swizzles["plain"].items() if k != "V"} == \
+        {k: v for k, v in swizzles["swizzled"].items() if k != "V"}
+
+
+@pytest.mark.parametrize("variant,dim,packed", [("gdn", 128, False), ("gdn", 64, True), ("kda", 128, False)])
+def test_values_loads_first_forms_the_difference_in_registers_and_stores_whole_tiles(variant, dim, packed, tmp_path):
+    """values_loads=first: the values role's loops load from shared memory without a store between, the
+    difference replacing K S in registers; each tile then goes out by one copy of the fragment (stmatrix),
+    Vr, U and (gdn) WK * U."""
+    overrides = {**STORE_WARP[variant], **({"packed": True, "tail_loads": "whole_chunks"} if packed else {})}
+    inline, first = (rendered_config(variant, dim, **overrides, values_loads=v) for v in ("inline", "first"))
+    assert inline.source == rendered_config(variant, dim, **overrides).source
+    lines = values_role(first.source)
+    copies = ["T.copy(KS_f, Vr_s)", "T.copy(U_f, U_s)"] + (["T.copy(U_f, Ud_s)"] if variant == "gdn" else [])
+    assert [line for line in lines if line.startswith("T.copy(")] == copies
+    assert not any(line.startswith(("Vr_s[", "U_s[", "Ud_s[")) for line in lines)
+    assert any(line.startswith("KS_f[i, d] = ") and "V_s[s, i, d]" in line for line in lines)
+    stmatrix = {}
+    for name, rendered in (("inline", inline), ("first", first)):
+        report = assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path / name)
+        stmatrix[name] = next(k for k in report.kernels if k.name == "sequential").cuda_source.count("ptx_stmatrix")
+    assert stmatrix["first"] - stmatrix["inline"] == len(copies)
+
+
+@pytest.mark.parametrize("store_warp", [True, False])
+def test_the_gate_warp_loads_gc_and_forms_the_row_weights_off_the_tma_warps_path(store_warp, tmp_path):
+    """gc_loads=gate_warp: a warp of the producer's warpgroup of its own (beside the store warp, if any)
+    loads gc into the ring slot and forms the row weights; the TMA warp only copies tiles; loaded[s]
+    counts both warps' arrivals, which the screen checks against the threads that arrive."""
+    overrides = {**PRE_SEQ_ROLES_ASYNC, "gc_loads": "gate_warp", "num_stages": 3,
+                 **({"o_store": "store_warp"} if store_warp else {})}
+    rendered = rendered_config("gdn", 128, **overrides)
+    assert_compiles_as_modelled(rendered, KERNELS["pre_seq"], tmp_path)
+    kernel = rendered.source[rendered.source.index("def sequential"):rendered.source.index("return sequential")]
+    assert "loaded = T.alloc_barrier(arrive_count=[64] * NUM_STAGES)" in kernel
+    tma = kernel[kernel.index("if tx < 416:"):kernel.index("elif tx < 448:")]
+    gate = kernel[kernel.index(f"elif tx < {480 if store_warp else 448}:"):]
+    assert "GC[" not in tma and "wq_s" not in tma and tma.count("T.tma_copy(") == 4
+    assert "gc_s[s, i] = GC[" in gate and "wq_s[s, i] = " in gate and "wk_s[s, i] = " in gate
+    assert tma.count("T.barrier_arrive(loaded[s])") == gate.count("T.barrier_arrive(loaded[s])") == 1
+    # Counted for the TMA warp alone, the barrier would wait for arrivals that the gate warp's overrun.
+    miscounted = Candidate(rendered.problem, rendered.config,
+                           rendered.source.replace("arrive_count=[64] * NUM_STAGES", "arrive_count=[32] * NUM_STAGES"))
+    report, _, _ = build_kernels(miscounted, cache_dir=tmp_path / "miscounted")
+    assert [f.kind for f in report.rejected] == ["mbarrier_arrivals_not_its_count"]
+
+
 # The role-split kernels (delta.py.j2's, gdn's and kda's) with o stored by a warp of its own.
 STORE_WARP = {"gdn": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp"}, "kda": {**ROLES["kda"], "o_store": "store_warp"}}
 
@@ -456,14 +530,26 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                              ("pre_seq", {**PRE_SEQ_ROLES_PREPARED_SCORES, "segments": 4}),
                                              ("pre_seq", PRE_SEQ_ROLES_VALUES_AHEAD),
                                              ("pre_seq", {**PRE_SEQ_ROLES_VALUES_AHEAD, "segments": 4}),
-                                             ("pre_seq", {**STORE_WARP["gdn"], "output_scores_in": "fragment"})],
+                                             ("pre_seq", {**STORE_WARP["gdn"], "output_scores_in": "fragment"}),
+                                             ("pre_seq", {**STORE_WARP["gdn"], "output_scores_in": "fragment",
+                                                          "v_swizzle": True}),
+                                             ("pre_seq", {**PRE_SEQ_MERGED, "v_swizzle": True}),
+                                             ("pre_seq", {**PRE_SEQ_SEGMENTS["one-warpgroup"], "v_swizzle": True}),
+                                             ("pre_seq", {**STORE_WARP["gdn"], "output_scores_in": "fragment",
+                                                          "v_swizzle": True, "values_loads": "first"}),
+                                             ("pre_seq", {**PRE_SEQ_ROLES_VALUES_AHEAD, "values_loads": "first"}),
+                                             ("pre_seq", {**STORE_WARP["gdn"], "gc_loads": "gate_warp", "num_stages": 3}),
+                                             ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "gc_loads": "gate_warp"})],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
                               "pre_seq-roles-store-warp", "pre_seq-roles-heads-first", "pre_seq-roles-async-gates",
                               "pre_seq-roles-segments", "pre_seq-segments", "pre_seq-roles-prepared-scores",
                               "pre_seq-roles-prepared-scores-segments", "pre_seq-roles-values-ahead",
-                              "pre_seq-roles-values-ahead-segments", "pre_seq-roles-scores-in-registers"))
+                              "pre_seq-roles-values-ahead-segments", "pre_seq-roles-scores-in-registers",
+                              "pre_seq-roles-v-swizzled", "pre_seq-merged-v-swizzled", "pre_seq-segments-v-swizzled",
+                              "pre_seq-roles-values-loads-first", "pre_seq-roles-values-ahead-values-loads-first",
+                              "pre_seq-roles-gate-warp-store-warp", "pre_seq-roles-gate-warp"))
 def test_forward_matches_fp64_oracle(split, overrides):
     assert_matches_oracle(rendered_config("gdn", 64, **{"split": split, **overrides}))
 
