@@ -481,6 +481,41 @@ def test_a_search_space_whose_values_changed_continues_in_a_study_of_its_own(tmp
     assert len([r for r in Store(db).trials(after.study) if r.status == "mismatch" and r.repeat_of is None]) == 3
 
 
+def test_a_study_continued_under_a_changed_space_asks_the_earlier_studys_fastest_configs_first(tmp_path):
+    """A space that grew a value starts a study of its own; its first configs are the earlier study's
+    fastest passing ones (failed ones are not), restated in the new space, then the default. A config
+    with a value the new space no longer offers is left out."""
+    from dataclasses import replace
+
+    from tuner import stack
+    from tuner.search.strategy import CARRIED_OVER, open_study
+    from tuner.status import Status
+    from tuner.store import Store
+
+    store, here = Store(tmp_path / "results.db"), stack.current()
+    sp = space.load("linear")
+    configs = [sp.complete(SMALL, {"num_stages": n, "threads": t}) for n in (0, 1, 2) for t in (128, 256)]
+    times = [0.5, 0.2, 0.9, 0.1, 0.3, 0.4]
+    strategy, changed = open_study(SMALL, here, store, sp)
+    assert not changed
+    for config, ms in zip(configs, times):
+        strategy.add_judged(config, Status.PASS, "", ms)
+    strategy.add_judged(sp.complete(SMALL, {"num_stages": 3}), Status.MISMATCH, "wrong", None)
+    fastest = [config for _, config in sorted(zip(times, configs), key=lambda pair: pair[0])]
+
+    def first_asked(new_space):
+        new, changed = open_study(SMALL, here, store, new_space)
+        assert changed and new.name != strategy.name
+        return [new.ask()[1] for _ in range(CARRIED_OVER + 1)]
+
+    widened = replace(sp, params={**sp.params, "threads": replace(sp.params["threads"], values=(128, 256, 384))})
+    assert first_asked(widened) == fastest[:CARRIED_OVER] + [widened.default(SMALL)]
+    # The fastest config's num_stages (1) dropped: the next four, in order.
+    narrowed = replace(sp, params={**sp.params, "num_stages": replace(sp.params["num_stages"], values=(0, 2, 3, 4))})
+    assert first_asked(narrowed) == [c for c in fastest if c["num_stages"] != 1][:CARRIED_OVER] + \
+        [narrowed.default(SMALL)]
+
+
 @pytest.mark.slow
 def test_a_kernel_the_templates_no_longer_render_is_judged_again_and_only_that_counts(tmp_path, monkeypatch, capsys):
     """After a template change a study's rows judged kernels its configs no longer render to: resumed,

@@ -198,10 +198,10 @@ def test_an_inherited_parameter_with_a_default_or_nothing_to_inherit_is_refused(
 def test_the_grid_is_the_full_products_normalised_configs_in_order(variant):
     """The grid skips the values of parameters that do not apply; it must still be every distinct
     normalised config of the whole product, each where the product first reaches it. gdn, whose
-    conditional parameters are where it skips most, with five unconditional ones and three of pre_seq's
-    cut to two values and chunk_size, tail_loads and sequence_groups (a packed kernel's, never in the searched
-    grid), new_values, output_scores_in and values_loads, which no condition reads but v_swizzle's, and v_swizzle
-    to one (its full product is about 490 billion)."""
+    conditional parameters are where it skips most, with five unconditional ones, three of pre_seq's and
+    gc_loads cut to two values, and chunk_size, tail_loads and sequence_groups (a packed kernel's, never in
+    the searched grid), new_values (only v_swizzle's condition reads it), output_scores_in, values_loads and
+    v_swizzle (no condition reads them) cut to one (its full product is about 490 billion)."""
     import dataclasses
     import itertools
 
@@ -209,7 +209,7 @@ def test_the_grid_is_the_full_products_normalised_configs_in_order(variant):
     if variant == "gdn":
         kept = {"block_dv": 2, "block_dv_o": 2, "num_stages": 2, "decay_in": 2, "solve": 2, "chunk_size": 1,
                 "segments": 2, "prepare_loads": 2, "prepare_chunks": 2, "tail_loads": 1, "sequence_groups": 1,
-                "new_values": 1, "output_scores_in": 1, "values_loads": 1, "v_swizzle": 1}
+                "new_values": 1, "output_scores_in": 1, "values_loads": 1, "v_swizzle": 1, "gc_loads": 2}
         sp = dataclasses.replace(sp, params={n: dataclasses.replace(p, values=tuple(p.values)[:kept[n]]) if n in kept
                                              else p for n, p in sp.params.items()})
     names = list(sp.params)

@@ -171,12 +171,15 @@ def open_study(problem: Problem, stack: Stack, store: Store, space: Space,
 
     Optuna draws a parameter from one set of values per study: when values of the space changed
     since the study began, the search continues in a study of its own, named with ``~`` and the
-    space's digest. Returns the strategy and the parameters whose values changed (empty when none).
+    space's digest, whose first configs are the earlier study's fastest (``carried_over``): a space
+    grows a parameter at a time, and the search should not start again from the default. Returns the
+    strategy and the parameters whose values changed (empty when none).
     """
     engine_kwargs = {"connect_args": {"timeout": store.busy_timeout_s}} if store.path is not None else {}
     name = study_name(problem, stack, space)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     changed: list[str] = []
+    earlier: optuna.Study | None = None
     with store.schema_lock(), warnings.catch_warnings():  # Optuna creates its tables, and a new study, unguarded
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # constant_liar, group
         storage = optuna.storages.RDBStorage(store.url, engine_kwargs=engine_kwargs)
@@ -185,6 +188,7 @@ def open_study(problem: Problem, stack: Stack, store: Store, space: Space,
             existing = optuna.load_study(study_name=name, storage=storage)
             changed = _changed_parameters(existing, space)
             if changed:
+                earlier = existing
                 name = f"{name}~{space.digest()}"
                 if name in optuna.study.get_all_study_names(storage):
                     done = len(optuna.load_study(study_name=name, storage=storage).trials)
@@ -197,10 +201,34 @@ def open_study(problem: Problem, stack: Stack, store: Store, space: Space,
         study = optuna.create_study(storage=storage, study_name=name, direction="minimize", sampler=sampler,
                                     load_if_exists=True)
         if not study.trials:
+            for config in carried_over(earlier, space, problem) if earlier is not None else []:
+                study.enqueue_trial(space.stated(config))
             study.enqueue_trial(space.stated(space.default(problem)))
     for key, value in {**problem.as_dict(), **stack.as_dict()}.items():
         study.set_user_attr(key, value)
     return Strategy(study, space), changed
+
+
+# How many of the earlier study's fastest configs a study continued under a changed space asks first.
+CARRIED_OVER = 4
+
+
+def carried_over(study: optuna.Study, space: Space, problem: Problem, count: int = CARRIED_OVER) -> list[dict]:
+    """The configs of ``study``'s ``count`` fastest passing trials, fastest first, as ``space`` states
+    them: a parameter it no longer has dropped, one it gained at its default (a new parameter's default
+    renders the kernel as before, so such a config repeats its judged kernel at no cost). A config
+    with a value ``space`` does not offer (a value dropped, a parameter held by ``--fix``) is left out."""
+    out: list[dict] = []
+    for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.value):
+        known = {n: v for n, v in trial.params.items() if n in space.params}
+        if any(v not in space.params[n].values for n, v in known.items()):
+            continue
+        config = space.complete(problem, known)
+        if config not in out:
+            out.append(config)
+        if len(out) == count:
+            break
+    return out
 
 
 def _changed_parameters(study: optuna.Study, space: Space) -> list[str]:
