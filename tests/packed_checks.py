@@ -78,6 +78,14 @@ CONFIGS = {
                                               "num_stages": 3, "gc_loads": "gate_warp", "fast_math": True,
                                               "prepare_loads": "async", "o_store": "store_warp",
                                               "tail_loads": "whole_chunks", "sequence_groups": 4},
+        # gc head-major, a chunk's one TMA box (past the sequence's end: the next sequence's gc, clamped
+        # by the gate warp), over grouped sequences with whole-chunk tails, and with element-loaded tails.
+        "roles-gc-tma-groups-whole-tail": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True,
+                                           "num_stages": 3, "gc_loads": "tma", "fast_math": True,
+                                           "prepare_loads": "async", "o_store": "store_warp",
+                                           "tail_loads": "whole_chunks", "sequence_groups": 4},
+        "roles-gc-tma": {**PACKED, "solve": "merged", "block_dv": 64, "sequential_roles": True, "num_stages": 2,
+                         "gc_loads": "tma", "fast_math": True, "prepare_loads": "async", "o_store": "store_warp"},
     },
     "kda": {
         "default": PACKED,

@@ -79,7 +79,8 @@ def tolerance(variant):
                                ("kda", 64, "roles-v-swizzled-whole-tail"),
                                ("gdn", 64, "roles-values-loads-first-whole-tail"),
                                ("kda", 64, "roles-values-loads-first-whole-tail"),
-                               ("gdn", 128, "roles-gate-warp-groups-whole-tail")]])
+                               ("gdn", 128, "roles-gate-warp-groups-whole-tail"),
+                               ("gdn", 128, "roles-gc-tma-groups-whole-tail"), ("gdn", 64, "roles-gc-tma")]])
 def test_packed_kernels_compile_without_spills_or_screen_rejection(variant, dim, config, tmp_path):
     overrides = CONFIGS[variant][config]
     rendered = rendered_config(variant, dim, **overrides)
@@ -289,7 +290,8 @@ def compiled():
                                                    "roles-groups-whole-tail", "roles-values-ahead-whole-tail",
                                                    "roles-v-swizzled-whole-tail",
                                                    "roles-values-loads-first-whole-tail",
-                                                   "roles-gate-warp-groups-whole-tail"))
+                                                   "roles-gate-warp-groups-whole-tail",
+                                                   "roles-gc-tma-groups-whole-tail", "roles-gc-tma"))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lengths", [PACKED_LENGTHS, "mix"], ids=["regime", "mix"])
 def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(compiled, variant, config, dtype,
@@ -318,7 +320,8 @@ def test_packed_outputs_and_states_match_each_sequence_alone_and_the_oracle(comp
 @pytest.mark.parametrize("variant,config", configs("roles-whole-tail", "roles-values-ahead-whole-tail",
                                                    "roles-v-swizzled-whole-tail",
                                                    "roles-values-loads-first-whole-tail",
-                                                   "roles-gate-warp-groups-whole-tail"))
+                                                   "roles-gate-warp-groups-whole-tail",
+                                                   "roles-gc-tma-groups-whole-tail"))
 def test_a_whole_chunk_tail_never_lets_the_next_sequence_reach_this_one(compiled, variant, config):
     """tail_loads=whole_chunks reads the rows past a sequence's end from the next sequence: with that
     sequence all NaN, every other sequence's output and final state are finite and as they were."""

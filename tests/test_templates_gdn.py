@@ -367,6 +367,42 @@ def test_the_gate_warp_loads_gc_and_forms_the_row_weights_off_the_tma_warps_path
     assert [f.kind for f in report.rejected] == ["mbarrier_arrivals_not_its_count"]
 
 
+@pytest.mark.parametrize("dim,extra", [(128, {}), (64, {"segments": 2})], ids=["dense", "segments"])
+def test_gc_loads_tma_copies_head_major_gc_as_one_box_for_the_gate_warp(dim, extra, tmp_path):
+    """gc_loads=tma: the precompute kernel writes gc head-major (rows padded to whole chunks), the TMA
+    warp copies a chunk's gc as one box first, on gc_landed (its 32 arrivals, which the screen checks),
+    and the gate warp, which loads nothing from global memory, clamps the rows past the last valid one and
+    forms the row weights; with segments the state pass reads the same layout by cp.async."""
+    overrides = {**STORE_WARP["gdn"], "gc_loads": "tma", "num_stages": 3, **extra}
+    rendered = rendered_config("gdn", dim, **overrides)
+    kernels = KERNELS["pre_seq"] if not extra else ["prepare", "segment_state", "sequential"]
+    report = assert_compiles_as_modelled(rendered, kernels, tmp_path)
+    source = rendered.source
+    kernel = source[source.index("def sequential"):source.index("return sequential")]
+    packed = bool(extra)  # segments run the packed kernels
+    layout = "T.Tensor([HV, SC], ACCUM)" if packed else "T.Tensor([B, H, SC], ACCUM)"
+    assert source.count(f"GC: {layout},") == (3 if packed else 2)
+    tma = kernel[kernel.index("if tx < 416:"):kernel.index("elif tx < 448:")]
+    gate = kernel[kernel.index("elif tx < 480:"):]
+    box = "hv, bos + c * C:bos + (c + 1) * C" if packed else "bb, bh, c * C:(c + 1) * C"
+    copies = [line.strip() for line in tma.splitlines() if "T.tma_copy(" in line]
+    assert copies[0] == f"T.tma_copy(GC[{box}], gc_s[s, :], barrier=gc_landed[s])" and len(copies) == 5
+    assert "gc_landed = T.alloc_barrier(arrive_count=[32] * NUM_STAGES)" in kernel
+    assert "GC[" not in gate and "T.barrier_wait(gc_landed[s]" in gate
+    assert "gc_s[s, i] = gc_s[s, T.min(i, last)]" in gate and "wq_s[s, i] = " in gate
+    if packed:
+        assert "T.async_copy(GC[hv, bos" in source[source.index("def segment_state"):]
+    compiled = {k.name: k for k in report.kernels}
+    _, _, built = build_kernels(rendered, cache_dir=tmp_path)
+    assert tensor_map_swizzles(built["sequential"].get_host_source())["GC"] == 0
+    assert "gc = torch.empty(" + ("HV, -(-tokens // C) * C" if packed else "B, H, -(-T_len // C) * C") in source
+    cuda = compiled["sequential"].cuda_source
+    wrong = cuda
+    for slot in range(3):
+        wrong = wrong.replace(f"gc_landed[{slot}].init(32);", f"gc_landed[{slot}].init(64);")
+    assert wrong != cuda and any(f.kind == "mbarrier_arrivals_not_its_count" and f.rejects for f in screen(wrong))
+
+
 # The role-split kernels (delta.py.j2's, gdn's and kda's) with o stored by a warp of its own.
 STORE_WARP = {"gdn": {**PRE_SEQ_ROLES_ASYNC, "o_store": "store_warp"}, "kda": {**ROLES["kda"], "o_store": "store_warp"}}
 
@@ -539,7 +575,9 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                                                           "v_swizzle": True, "values_loads": "first"}),
                                              ("pre_seq", {**PRE_SEQ_ROLES_VALUES_AHEAD, "values_loads": "first"}),
                                              ("pre_seq", {**STORE_WARP["gdn"], "gc_loads": "gate_warp", "num_stages": 3}),
-                                             ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "gc_loads": "gate_warp"})],
+                                             ("pre_seq", {**PRE_SEQ_ROLES_ASYNC, "gc_loads": "gate_warp"}),
+                                             ("pre_seq", {**STORE_WARP["gdn"], "gc_loads": "tma", "num_stages": 3}),
+                                             ("pre_seq", {**PRE_SEQ_SEGMENTS["roles"], "gc_loads": "tma"})],
                          ids=("fused", "chunked", "chunked-block_dv_o", "pre_seq", "pre_seq-all", "chunked-doubling",
                               "chunked-256", "pre_seq-merged", "pre_seq-merged-32", "pre_seq-roles",
                               "pre_seq-merged-table", "pre_seq-roles-async", "pre_seq-merged-async",
@@ -549,7 +587,8 @@ def test_the_score_tile_placement_leaves_every_earlier_config_as_it_was():
                               "pre_seq-roles-values-ahead-segments", "pre_seq-roles-scores-in-registers",
                               "pre_seq-roles-v-swizzled", "pre_seq-merged-v-swizzled", "pre_seq-segments-v-swizzled",
                               "pre_seq-roles-values-loads-first", "pre_seq-roles-values-ahead-values-loads-first",
-                              "pre_seq-roles-gate-warp-store-warp", "pre_seq-roles-gate-warp"))
+                              "pre_seq-roles-gate-warp-store-warp", "pre_seq-roles-gate-warp",
+                              "pre_seq-roles-gc-tma-store-warp", "pre_seq-roles-gc-tma-segments"))
 def test_forward_matches_fp64_oracle(split, overrides):
     assert_matches_oracle(rendered_config("gdn", 64, **{"split": split, **overrides}))
 
