@@ -369,7 +369,8 @@ def test_the_gate_warp_loads_gc_and_forms_the_row_weights_off_the_tma_warps_path
 
 @pytest.mark.parametrize("dim,extra", [(128, {}), (64, {"segments": 2})], ids=["dense", "segments"])
 def test_gc_loads_tma_copies_head_major_gc_as_one_box_for_the_gate_warp(dim, extra, tmp_path):
-    """gc_loads=tma: the precompute kernel writes gc head-major (rows padded to whole chunks), the TMA
+    """gc_loads=tma: the precompute kernel writes gc head-major (a row per head, each packed sequence's
+    part of it starting 16-byte aligned), the TMA
     warp copies a chunk's gc as one box first, on gc_landed (its 32 arrivals, which the screen checks),
     and the gate warp, which loads nothing from global memory, clamps the rows past the last valid one and
     forms the row weights; with segments the state pass reads the same layout by cp.async."""
@@ -384,18 +385,21 @@ def test_gc_loads_tma_copies_head_major_gc_as_one_box_for_the_gate_warp(dim, ext
     assert source.count(f"GC: {layout},") == (3 if packed else 2)
     tma = kernel[kernel.index("if tx < 416:"):kernel.index("elif tx < 448:")]
     gate = kernel[kernel.index("elif tx < 480:"):]
-    box = "hv, bos + c * C:bos + (c + 1) * C" if packed else "bb, bh, c * C:(c + 1) * C"
+    # Packed, each sequence's gc starts 16-byte aligned (a TMA box's innermost start must be).
+    start = "(bos // 4 + n) * 4"
+    box = f"hv, {start} + c * C:{start} + (c + 1) * C" if packed else "bb, bh, c * C:(c + 1) * C"
     copies = [line.strip() for line in tma.splitlines() if "T.tma_copy(" in line]
     assert copies[0] == f"T.tma_copy(GC[{box}], gc_s[s, :], barrier=gc_landed[s])" and len(copies) == 5
     assert "gc_landed = T.alloc_barrier(arrive_count=[32] * NUM_STAGES)" in kernel
     assert "GC[" not in gate and "T.barrier_wait(gc_landed[s]" in gate
     assert "gc_s[s, i] = gc_s[s, T.min(i, last)]" in gate and "wq_s[s, i] = " in gate
     if packed:
-        assert "T.async_copy(GC[hv, bos" in source[source.index("def segment_state"):]
+        assert f"T.async_copy(GC[hv, {start}:{start} + C]" in source[source.index("def segment_state"):]
     compiled = {k.name: k for k in report.kernels}
     _, _, built = build_kernels(rendered, cache_dir=tmp_path)
     assert tensor_map_swizzles(built["sequential"].get_host_source())["GC"] == 0
-    assert "gc = torch.empty(" + ("HV, -(-tokens // C) * C" if packed else "B, H, -(-T_len // C) * C") in source
+    rows = "HV, -(-(tokens + 4 * (bounds.shape[0] - 1)) // C) * C" if packed else "B, H, -(-T_len // C) * C"
+    assert f"gc = torch.empty({rows}" in source
     cuda = compiled["sequential"].cuda_source
     wrong = cuda
     for slot in range(3):
