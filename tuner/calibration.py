@@ -44,7 +44,7 @@ class Observation:
     def demand_reported(self) -> bool:
         """ptxas' register count is the kernel's demand: no ``setmaxnreg``, no spill, below the cap."""
         return (not self.kernel.setmaxnreg and self.spill_bytes == 0
-                and self.registers < launch_register_cap(self.kernel.launch_threads))
+                and self.registers < launch_register_cap(self.kernel.launch_threads, self.kernel.min_blocks_per_sm))
 
 
 @dataclass(frozen=True)

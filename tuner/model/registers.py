@@ -18,6 +18,9 @@ from .source import Kernel
 # Largest register count ptxas gives one thread, and the registers of one SM (sm_90).
 REGISTER_LIMIT = 255
 REGISTERS_PER_SM = 65536
+# Shared memory of one SM (sm_90: 228 KiB), and what the system reserves of it for each resident block.
+SMEM_PER_SM = 233472
+SMEM_RESERVED_PER_BLOCK = 1024
 # Consumer register cap TileLang 0.1.15 sets with `setmaxnreg` under warp specialisation: one
 # producer warpgroup at 24 registers, one or two consumer warpgroups at 240
 # (annotate_warp_group_reg_alloc.cc; it is set only when the producer issues TMA copies alone,
@@ -49,6 +52,14 @@ FITTED = {
 }
 
 
+# A kernel whose launch bounds ask an SM to hold several blocks trades a few spilled bytes for the
+# blocks, and ptxas fits a demand well above the cap it sets (sm_90a, TileLang 0.1.15; model demand
+# against ptxas): gdn's precompute, demand 69, compiles clean at a cap of 80 and with 16 bytes of
+# spill at 64; kda's, demand 129, with 4 bytes at 80 and 1,068 at 64. Such a kernel is predicted to
+# spill above its cap, and pruned only this far above it: the gate's timing judges a small spill.
+BOUNDED_PRUNE_MARGIN = 56
+
+
 def terms(variant: str) -> dict:
     """The fitted terms the model uses for ``variant``."""
     return FITTED.get(variant, FITTED["default"])
@@ -72,6 +83,10 @@ class KernelPrediction:
         wgmma_serialized (bool): demand near the budget with wgmma accumulators in fragments (C7512).
         smem_bytes (int): dynamic shared memory.
         spill_margin (float): the fitted demand above a budget that still compiles without spilling.
+        min_blocks_per_sm (int): the blocks an SM is to hold at once (launch bounds); its share of
+            the register file is the budget.
+        prune_margin (float | None): the demand above the budget past which the kernel is
+            hopeless, where that is not ``spill_margin`` (a kernel bounded to several blocks an SM).
     """
 
     name: str
@@ -83,6 +98,8 @@ class KernelPrediction:
     wgmma_serialized: bool
     smem_bytes: int
     spill_margin: float
+    min_blocks_per_sm: int = 1
+    prune_margin: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,11 +125,16 @@ class Prediction:
 
     def prune_reason(self, budget: int = REGISTER_LIMIT) -> str | None:
         """Why to skip the config: a kernel's demand above the smaller of ``budget`` and its own
-        cap, by more than the margin ptxas absorbs. None to keep it."""
+        cap, by more than the margin ptxas absorbs, or more blocks an SM asked of a kernel than its
+        shared memory lets reside. None to keep it."""
         for k in self.per_kernel:
+            if k.min_blocks_per_sm > 1 and k.min_blocks_per_sm * (k.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
+                return (f"{k.name}: {k.min_blocks_per_sm} blocks an SM asked, but its {k.smem_bytes} bytes of shared "
+                        f"memory let {SMEM_PER_SM // (k.smem_bytes + SMEM_RESERVED_PER_BLOCK)} reside")
             cap = min(budget, k.budget)
-            if k.registers > cap + k.spill_margin:
-                absorbed = f" + {k.spill_margin:g} that ptxas absorbs" if k.spill_margin else ""
+            margin = k.spill_margin if k.prune_margin is None else k.prune_margin
+            if k.registers > cap + margin:
+                absorbed = f" + {margin:g} that ptxas absorbs" if margin else ""
                 return f"{k.name}: predicted register demand {k.registers} per thread exceeds {cap}{absorbed}"
         return None
 
@@ -126,10 +148,12 @@ class Prediction:
         return "\n".join(lines)
 
 
-def launch_register_cap(threads: int) -> int:
-    """Registers per thread ptxas may use in a block of ``threads`` (``__launch_bounds__(threads, 1)``):
-    the 64 Ki registers of an SM shared out, in the allocation unit of 8, at most 255."""
-    return min(REGISTER_LIMIT, REGISTERS_PER_SM // threads // 8 * 8)
+def launch_register_cap(threads: int, min_blocks_per_sm: int = 1) -> int:
+    """Registers per thread ptxas may use in a block of ``threads`` of which an SM is to hold
+    ``min_blocks_per_sm`` (``__launch_bounds__(threads, min_blocks_per_sm)``): the 64 Ki registers
+    of an SM shared out, in the allocation unit of 8, at most 255 (ptxas at 128 threads: 80 for six
+    blocks, 64 for eight)."""
+    return min(REGISTER_LIMIT, REGISTERS_PER_SM // (threads * min_blocks_per_sm) // 8 * 8)
 
 
 def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
@@ -139,6 +163,7 @@ def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
     state role, 64 fragment registers, spills at a cap of 88 and not at 96; the TMA loader holds no
     fragment and compiles clean at 24, the least setmaxnreg takes)."""
     margin = fitted["spill_margin"]
+    prune_margin = None
     if kernel.roles:
         # Only the roles that hold fragments compute; a loader role fits the smallest cap.
         computing = [r for r in kernel.roles if r.live_registers] or list(kernel.roles)
@@ -148,7 +173,10 @@ def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
         margin = 0
     else:
         fragments = kernel.live_registers
-        budget = WS_CONSUMER_REGISTERS if kernel.setmaxnreg else launch_register_cap(kernel.launch_threads)
+        budget = (WS_CONSUMER_REGISTERS if kernel.setmaxnreg
+                  else launch_register_cap(kernel.launch_threads, kernel.min_blocks_per_sm))
+        if kernel.min_blocks_per_sm > 1:
+            margin, prune_margin = 0, BOUNDED_PRUNE_MARGIN
     demand = math.ceil(fitted["fragment_scale"] * fragments + fitted["overhead"]
                        + fitted.get("pipeline_overhead", 0) * kernel.unspecialised_pipeline)
     wgmma = bool(kernel.wgmma_accumulators) and demand > budget - fitted["wgmma_margin"]
@@ -156,7 +184,8 @@ def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
     return KernelPrediction(
         name=kernel.name, threads=threads, fragment_registers=fragments, registers=demand, budget=budget,
         spills=demand > budget + margin, wgmma_serialized=wgmma,
-        smem_bytes=kernel.smem_plan[0], spill_margin=margin,
+        smem_bytes=kernel.smem_plan[0], spill_margin=margin, prune_margin=prune_margin,
+        min_blocks_per_sm=kernel.min_blocks_per_sm,
     )
 
 

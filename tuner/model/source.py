@@ -80,6 +80,8 @@ class Kernel:
             live per leaf statement, not per top-level statement, and share memory inside loops.
         roles (tuple[Role, ...]): the warpgroup roles of a kernel split by hand, in source order;
             empty for the others.
+        min_blocks_per_sm (int): the blocks an SM is to hold at once, from
+            ``T.annotate_min_blocks_per_sm`` (``__launch_bounds__(threads, n)``); 1 without it.
     """
 
     name: str
@@ -99,6 +101,7 @@ class Kernel:
     aggressive_merge: bool
     roles: tuple[Role, ...] = ()
     pipeline_extent: int | None = None
+    min_blocks_per_sm: int = 1
 
     @functools.cached_property
     def live_registers(self) -> float:
@@ -415,6 +418,8 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
         live[buf] = (first, last)
     pipeline_steps = next(((2 * a, 2 * b + 1) for a, b, loop in loops
                            if isinstance(loop.iter, ast.Call) and call_name(loop.iter.func) == "Pipelined"), None)
+    min_blocks = next((evaluate(n.args[0], env) for n in nodes
+                       if isinstance(n, ast.Call) and call_name(n.func) == "annotate_min_blocks_per_sm"), 1)
 
     return Kernel(
         name=name, threads=int(threads), buffers=tuple(buffers), num_stages=num_stages,
@@ -424,6 +429,7 @@ def _parse_kernel(name: str, prim: ast.FunctionDef, outer: ast.FunctionDef, conf
         wgmma_shared=frozenset(wgmma_shared), wgmma_accumulators=frozenset(accumulators), uses=uses,
         live=live, pipeline_steps=pipeline_steps, pipeline_extent=pipeline_extent, warp_specialized=warp_specialized,
         aggressive_merge=bool(configs.get("tl.enable_aggressive_shared_memory_merge", False)),
+        min_blocks_per_sm=int(min_blocks),
     )
 
 
