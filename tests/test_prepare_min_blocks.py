@@ -12,7 +12,7 @@ import pytest
 from template_checks import assert_every_value_changes_source, code, cuda, oracle_errors, rendered_config
 from tuner.compile import build_kernels, load_kernels
 from tuner.model import launch_register_cap
-from tuner.model.registers import SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
+from tuner.model.registers import BOUNDED_MIN_REGISTERS, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
 
 # The role-split forms of the H200 winners, whose precompute kernels these are.
 GDN = {"split": "pre_seq", "block_dv": 64, "num_stages": 3, "sequential_roles": True, "gc_loads": "tma",
@@ -84,6 +84,19 @@ def test_a_count_the_shared_memory_cannot_hold_is_pruned(tmp_path):
     assert resident == 2
     assert rendered_config("kda", 128, **overrides, prepare_min_blocks=resident + 1).prediction.prune_reason() == (
         f"prepare: 3 blocks an SM asked, but its {smem} bytes of shared memory let 2 reside")
+
+
+def test_a_share_too_small_to_compile_is_pruned(tmp_path):
+    # gdn's precompute kernel at 256 threads and eight blocks an SM: a share of 32 registers.
+    rendered = rendered_config("gdn", 64, **{**GDN, "threads": 256}, prepare_min_blocks=8)
+    assert launch_register_cap(256, 8) == 32 < BOUNDED_MIN_REGISTERS
+    assert rendered.prediction.prune_reason() == (
+        "prepare: 8 blocks an SM of 256 threads leave 32 registers a thread, below the 64 ptxas needs to compile it")
+    report, _, _ = build_kernels(rendered, cache_dir=tmp_path)
+    assert report.error is not None and "C7602" in report.error and "Insufficient registers (32)" in report.error
+    # Four blocks of 256 threads, a share of 64, compile.
+    report, _, _ = build_kernels(rendered_config("gdn", 64, **{**GDN, "threads": 256}, prepare_min_blocks=4), cache_dir=tmp_path)
+    assert report.error is None and prepare_kernel(report).registers == 64
 
 
 @cuda

@@ -58,6 +58,10 @@ FITTED = {
 # spill at 64; kda's, demand 129, with 4 bytes at 80 and 1,068 at 64. Such a kernel is predicted to
 # spill above its cap, and pruned only this far above it: the gate's timing judges a small spill.
 BOUNDED_PRUNE_MARGIN = 56
+# Below this share ptxas may not compile such a kernel at all: gdn's precompute kernel at 256 threads
+# and eight blocks, a share of 32, stops with C7602 ("insufficient registers ... register target of 42
+# or higher"); 64 is the least share measured to compile (128 threads and eight blocks, 256 and four).
+BOUNDED_MIN_REGISTERS = 64
 
 
 def terms(variant: str) -> dict:
@@ -126,8 +130,11 @@ class Prediction:
     def prune_reason(self, budget: int = REGISTER_LIMIT) -> str | None:
         """Why to skip the config: a kernel's demand above the smaller of ``budget`` and its own
         cap, by more than the margin ptxas absorbs, or more blocks an SM asked of a kernel than its
-        shared memory lets reside. None to keep it."""
+        registers or its shared memory let reside. None to keep it."""
         for k in self.per_kernel:
+            if k.min_blocks_per_sm > 1 and k.budget < BOUNDED_MIN_REGISTERS:
+                return (f"{k.name}: {k.min_blocks_per_sm} blocks an SM of {k.threads} threads leave {k.budget} "
+                        f"registers a thread, below the {BOUNDED_MIN_REGISTERS} ptxas needs to compile it")
             if k.min_blocks_per_sm > 1 and k.min_blocks_per_sm * (k.smem_bytes + SMEM_RESERVED_PER_BLOCK) > SMEM_PER_SM:
                 return (f"{k.name}: {k.min_blocks_per_sm} blocks an SM asked, but its {k.smem_bytes} bytes of shared "
                         f"memory let {SMEM_PER_SM // (k.smem_bytes + SMEM_RESERVED_PER_BLOCK)} reside")
