@@ -88,9 +88,7 @@ class KernelPrediction:
         smem_bytes (int): dynamic shared memory.
         spill_margin (float): the fitted demand above a budget that still compiles without spilling.
         min_blocks_per_sm (int): the blocks an SM is to hold at once (launch bounds); its share of
-            the register file is the budget.
-        prune_margin (float | None): the demand above the budget past which the kernel is
-            hopeless, where that is not ``spill_margin`` (a kernel bounded to several blocks an SM).
+            the register file is the budget, and it is hopeless only ``BOUNDED_PRUNE_MARGIN`` above it.
     """
 
     name: str
@@ -103,7 +101,6 @@ class KernelPrediction:
     smem_bytes: int
     spill_margin: float
     min_blocks_per_sm: int = 1
-    prune_margin: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ class Prediction:
                 return (f"{k.name}: {k.min_blocks_per_sm} blocks an SM asked, but its {k.smem_bytes} bytes of shared "
                         f"memory let {SMEM_PER_SM // (k.smem_bytes + SMEM_RESERVED_PER_BLOCK)} reside")
             cap = min(budget, k.budget)
-            margin = k.spill_margin if k.prune_margin is None else k.prune_margin
+            margin = BOUNDED_PRUNE_MARGIN if k.min_blocks_per_sm > 1 else k.spill_margin
             if k.registers > cap + margin:
                 absorbed = f" + {margin:g} that ptxas absorbs" if margin else ""
                 return f"{k.name}: predicted register demand {k.registers} per thread exceeds {cap}{absorbed}"
@@ -170,7 +167,6 @@ def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
     state role, 64 fragment registers, spills at a cap of 88 and not at 96; the TMA loader holds no
     fragment and compiles clean at 24, the least setmaxnreg takes)."""
     margin = fitted["spill_margin"]
-    prune_margin = None
     if kernel.roles:
         # Only the roles that hold fragments compute; a loader role fits the smallest cap.
         computing = [r for r in kernel.roles if r.live_registers] or list(kernel.roles)
@@ -183,7 +179,7 @@ def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
         budget = (WS_CONSUMER_REGISTERS if kernel.setmaxnreg
                   else launch_register_cap(kernel.launch_threads, kernel.min_blocks_per_sm))
         if kernel.min_blocks_per_sm > 1:
-            margin, prune_margin = 0, BOUNDED_PRUNE_MARGIN
+            margin = 0  # any demand above the share spills; BOUNDED_PRUNE_MARGIN says when it is hopeless
     demand = math.ceil(fitted["fragment_scale"] * fragments + fitted["overhead"]
                        + fitted.get("pipeline_overhead", 0) * kernel.unspecialised_pipeline)
     wgmma = bool(kernel.wgmma_accumulators) and demand > budget - fitted["wgmma_margin"]
@@ -191,8 +187,7 @@ def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
     return KernelPrediction(
         name=kernel.name, threads=threads, fragment_registers=fragments, registers=demand, budget=budget,
         spills=demand > budget + margin, wgmma_serialized=wgmma,
-        smem_bytes=kernel.smem_plan[0], spill_margin=margin, prune_margin=prune_margin,
-        min_blocks_per_sm=kernel.min_blocks_per_sm,
+        smem_bytes=kernel.smem_plan[0], spill_margin=margin, min_blocks_per_sm=kernel.min_blocks_per_sm,
     )
 
 
