@@ -201,7 +201,8 @@ def test_the_grid_is_the_full_products_normalised_configs_in_order(variant):
     conditional parameters are where it skips most, with five unconditional ones, three of pre_seq's and
     gc_loads cut to two values, and chunk_size, tail_loads and sequence_groups (a packed kernel's, never in
     the searched grid), new_values (only v_swizzle's condition reads it), output_scores_in, values_loads,
-    v_swizzle, prepare_min_blocks, fast_math, prepare_grid and o_store (no condition reads them) cut to one
+    v_swizzle, prepare_min_blocks, fast_math, prepare_grid and o_store (no condition reads them) and
+    sequential_min_blocks (only the packed kernels' constraint reads it) cut to one
     (its full product is about 2.4 trillion; cut so, about 790,000, each normalised in some 150 us)."""
     import dataclasses
     import itertools
@@ -211,7 +212,8 @@ def test_the_grid_is_the_full_products_normalised_configs_in_order(variant):
         kept = {"block_dv": 2, "block_dv_o": 2, "num_stages": 2, "decay_in": 2, "solve": 2, "chunk_size": 1,
                 "segments": 2, "prepare_loads": 2, "prepare_chunks": 2, "tail_loads": 1, "sequence_groups": 1,
                 "new_values": 1, "output_scores_in": 1, "values_loads": 1, "v_swizzle": 1, "gc_loads": 2,
-                "prepare_min_blocks": 1, "fast_math": 1, "prepare_grid": 1, "o_store": 1}
+                "prepare_min_blocks": 1, "fast_math": 1, "prepare_grid": 1, "o_store": 1,
+                "sequential_min_blocks": 1}
         sp = dataclasses.replace(sp, params={n: dataclasses.replace(p, values=tuple(p.values)[:kept[n]]) if n in kept
                                              else p for n, p in sp.params.items()})
     names = list(sp.params)

@@ -89,6 +89,8 @@ class KernelPrediction:
         spill_margin (float): the fitted demand above a budget that still compiles without spilling.
         min_blocks_per_sm (int): the blocks an SM is to hold at once (launch bounds); its share of
             the register file is the budget, and it is hopeless only ``BOUNDED_PRUNE_MARGIN`` above it.
+        role_capped (bool): the kernel is split into roles by hand, its budget a role's setmaxnreg
+            cap: ptxas gives a role no more than its cap, bounded or not, so demand above it is pruned.
     """
 
     name: str
@@ -101,6 +103,7 @@ class KernelPrediction:
     smem_bytes: int
     spill_margin: float
     min_blocks_per_sm: int = 1
+    role_capped: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ class Prediction:
                 return (f"{k.name}: {k.min_blocks_per_sm} blocks an SM asked, but its {k.smem_bytes} bytes of shared "
                         f"memory let {SMEM_PER_SM // (k.smem_bytes + SMEM_RESERVED_PER_BLOCK)} reside")
             cap = min(budget, k.budget)
-            margin = BOUNDED_PRUNE_MARGIN if k.min_blocks_per_sm > 1 else k.spill_margin
+            margin = BOUNDED_PRUNE_MARGIN if k.min_blocks_per_sm > 1 and not k.role_capped else k.spill_margin
             if k.registers > cap + margin:
                 absorbed = f" + {margin:g} that ptxas absorbs" if margin else ""
                 return f"{k.name}: predicted register demand {k.registers} per thread exceeds {cap}{absorbed}"
@@ -188,6 +191,7 @@ def predict_kernel(kernel: Kernel, fitted: dict) -> KernelPrediction:
         name=kernel.name, threads=threads, fragment_registers=fragments, registers=demand, budget=budget,
         spills=demand > budget + margin, wgmma_serialized=wgmma,
         smem_bytes=kernel.smem_plan[0], spill_margin=margin, min_blocks_per_sm=kernel.min_blocks_per_sm,
+        role_capped=bool(kernel.roles),
     )
 
 
